@@ -1,0 +1,136 @@
+"""From command-line words to a step on a mesh: parse `--mesh`, simulate the devices,
+import `file.py:callable` or `package.module:callable`, and call it with the mesh.
+
+The device count must be set before JAX starts a backend, so `simulate_devices` runs
+before the user's module is imported; every mistake here is a `UsageError` that names
+the argument and the way out.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import math
+import os
+import re
+import sys
+from typing import Any, Callable
+
+from ._errors import UsageError
+
+
+def parse_mesh_spec(text: str) -> dict[str, int]:
+    """`data=2,context=4` -> {"data": 2, "context": 4}, in the order given."""
+    axes: dict[str, int] = {}
+    for part in [p.strip() for p in text.split(",") if p.strip()]:
+        m = re.fullmatch(r"([A-Za-z_][\w]*)\s*=\s*(\d+)", part)
+        if not m:
+            raise UsageError(f"--mesh: cannot read {part!r}; write axes as name=size, "
+                             f"e.g. --mesh data=2,context=4")
+        name, size = m.group(1), int(m.group(2))
+        if name in axes:
+            raise UsageError(f"--mesh: axis {name!r} is given twice in {text!r}")
+        if size < 1:
+            raise UsageError(f"--mesh: axis {name!r} has size {size}; sizes must be >= 1")
+        axes[name] = size
+    if not axes:
+        raise UsageError(f"--mesh: no axes in {text!r}; e.g. --mesh data=2,context=4")
+    return axes
+
+
+def simulate_devices(count: int) -> None:
+    """Asks for `count` CPU devices; must run before JAX initialises its backend."""
+    import jax
+
+    flags = os.environ.get("XLA_FLAGS", "")
+    m = re.search(r"--xla_force_host_platform_device_count=(\d+)", flags)
+    if m:
+        if int(m.group(1)) < count:
+            raise UsageError(f"XLA_FLAGS asks for {m.group(1)} CPU devices but the mesh needs "
+                             f"{count}; unset --xla_force_host_platform_device_count")
+        return
+    try:
+        jax.config.update("jax_platforms", "cpu")
+        jax.config.update("jax_num_cpu_devices", count)
+    except RuntimeError as e:  # backend already started (the user's module touched devices)
+        if len(jax.devices()) < count:
+            raise UsageError(f"JAX started with {len(jax.devices())} devices before shardlint "
+                             f"could ask for {count}: {e}") from e
+
+
+def build_mesh(axes: dict[str, int]):
+    import jax
+    from jax.sharding import AxisType
+
+    count = math.prod(axes.values())
+    devices = jax.devices()
+    if len(devices) < count:
+        raise UsageError(f"--mesh {axes} needs {count} devices, JAX has {len(devices)}")
+    return jax.make_mesh(tuple(axes.values()), tuple(axes), axis_types=(AxisType.Auto,) * len(axes),
+                         devices=devices[:count])
+
+
+def load_target(target: str) -> Callable:
+    """Imports TARGET (`file.py:callable` or `package.module:callable`)."""
+    module_part, sep, attr = target.rpartition(":")
+    if not sep or not module_part or not attr:
+        raise UsageError(f"target {target!r}: write path/to/model.py:make_step or "
+                         f"package.module:make_step")
+    try:
+        if module_part.endswith(".py") or os.sep in module_part:
+            path = os.path.abspath(module_part)
+            if not os.path.isfile(path):
+                raise UsageError(f"target {target!r}: no file {module_part}")
+            folder = os.path.dirname(path)
+            if folder not in sys.path:
+                sys.path.insert(0, folder)
+            name = os.path.splitext(os.path.basename(path))[0]
+            spec = importlib.util.spec_from_file_location(name, path)
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[name] = module
+            spec.loader.exec_module(module)
+        else:
+            if os.getcwd() not in sys.path:
+                sys.path.insert(0, os.getcwd())
+            module = importlib.import_module(module_part)
+    except UsageError:
+        raise
+    except ModuleNotFoundError as e:
+        raise UsageError(f"target {target!r}: cannot import {module_part}: {e}") from e
+    except Exception as e:
+        raise UsageError(f"target {target!r}: importing {module_part} raised "
+                         f"{type(e).__name__}: {e}") from e
+    fn = getattr(module, attr, None)
+    if fn is None:
+        raise UsageError(f"target {target!r}: {module_part} has no attribute {attr!r}")
+    if not callable(fn):
+        raise UsageError(f"target {target!r}: {attr} is not callable")
+    return fn
+
+
+def make_step(target: str, mesh) -> tuple[Callable, tuple[Any, ...]]:
+    """Calls the target with the mesh; it must return (step_fn, args)."""
+    factory = load_target(target)
+    try:
+        made = factory(mesh)
+    except Exception as e:
+        raise UsageError(f"target {target!r} raised {type(e).__name__}: {e}") from e
+    if not (isinstance(made, tuple) and len(made) == 2 and callable(made[0])):
+        raise UsageError(f"target {target!r} must return (step_fn, args), got {type(made).__name__}")
+    fn, args = made
+    if not isinstance(args, (tuple, list)):
+        raise UsageError(f"target {target!r}: args must be a tuple of arrays or "
+                         f"ShapeDtypeStructs, got {type(args).__name__}")
+    return fn, tuple(args)
+
+
+def check_mesh(args, mesh) -> None:
+    """The arguments' mesh must be the one `--mesh` built."""
+    from .analyzer._compile import mesh_of
+
+    theirs = mesh_of(args)
+    if (tuple(theirs.axis_names), theirs.devices.shape) != (tuple(mesh.axis_names), mesh.devices.shape):
+        mine = dict(zip(mesh.axis_names, mesh.devices.shape))
+        other = dict(zip(theirs.axis_names, theirs.devices.shape))
+        raise UsageError(f"the arguments are sharded over mesh {other}, not the --mesh {mine}; "
+                         f"build their NamedShardings from the mesh the target receives")

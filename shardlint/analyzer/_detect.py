@@ -1,0 +1,310 @@
+"""Detectors: where XLA's propagated sharding drops a mesh axis, and what that costs.
+
+A finding is an op whose operand dimension is sharded over mesh axis A while XLA's own
+propagated result leaves the corresponding result dimension without A: a reshape that
+merges `(batch, seq)` with `seq` sharded, or a sort, top_k or cumsum over a sharded
+dimension. Dimension correspondence is shape algebra (which operand dims a reshape merges
+or splits); the shardings are always XLA's. A drop that the user asked for (a sharding
+constraint, shard_map specs) is listed as requested instead.
+
+Each finding is linked to the collectives XLA emitted for it: first by the collective's
+own metadata (same op path and source line), then, because newer XLA labels some
+collectives only with the argument's name, by what the collective is: an all-gather over
+a lost axis whose per-device result is exactly the operand with that axis gathered.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+
+import networkx as nx
+
+from ._devices import MeshInfo, Sharding
+from ._graph import dims_of, operand_of, sharding_of
+from ._model import Collective, Finding, Requested, Source
+
+_LAYOUT_OPS = {"convert", "copy", "bitcast", "reshape", "transpose", "get-tuple-element",
+               "dynamic-slice", "all-gather", "parameter", "broadcast", "slice"}
+_CONSTRAINT_TARGETS = {"Sharding", "xla.sdy.ShardingConstraint"}
+_CONSTRAINT_OP_NAMES = {"sharding_constraint", "reshard"}
+_GMM_TARGET_WORDS = ("gmm", "ragged", "grouped", "megablox", "tgmm")
+
+
+def find_lost_sharding(graph: nx.DiGraph, mesh: MeshInfo, collectives: tuple[Collective, ...]):
+    """Returns (findings, requested reshardings, collectives with causes attributed)."""
+    findings, requested = [], []
+    claimed: set[str] = set()
+    raw = []
+    for node, data in graph.nodes(data=True):
+        op = _op_label(data)
+        if op is None:
+            continue
+        hit = _lost_axes(graph, node, op)
+        if hit is None:
+            continue
+        lost, operand, element = hit
+        if op == "sharding_constraint" or _constrained(graph, node):
+            requested.append(Requested(op, lost, _source(data), data["op_path"]))
+            continue
+        raw.append((node, op, lost, operand, element))
+    # Metadata links first, so a shape match never steals a collective named for another op.
+    by_meta = {node: _linked_by_metadata(graph, node, collectives) for node, *_ in raw}
+    for ids in by_meta.values():
+        claimed |= ids
+    for node, op, lost, operand, element in raw:
+        data = graph.nodes[node]
+        linked = by_meta[node] | _linked_by_shape(graph, operand, element, lost, mesh,
+                                                  collectives, claimed)
+        claimed |= linked
+        ids = tuple(sorted(linked))
+        nbytes = sum(c.bytes for c in collectives if c.id in linked)
+        feeds = feeds_grouped_matmul(graph, node)
+        findings.append(_finding(graph, node, op, lost, operand, element, feeds, ids, nbytes))
+    collectives = _attribute(collectives, findings)
+    findings.sort(key=lambda f: (f.source.file if f.source else "", f.source.line if f.source else 0, f.op_path))
+    return tuple(findings), tuple(requested), collectives
+
+
+def _attribute(collectives, findings) -> tuple[Collective, ...]:
+    """Gives a collective that XLA labelled only with an argument's name (JAX >= 0.11)
+    the op path and source line of the finding that caused it."""
+    cause = {cid: f for f in findings for cid in f.collectives}
+    return tuple(
+        dataclasses.replace(c, source=cause[c.id].source, op_path=cause[c.id].op_path)
+        if c.id in cause and c.source is None else c
+        for c in collectives)
+
+
+def _op_label(data) -> str | None:
+    opcode = data["opcode"]
+    if opcode == "reshape":
+        return "reshape"
+    if opcode == "sort":
+        return "sort"
+    if opcode == "topk" or (opcode == "custom-call" and "TopK" in data["instr"].attrs.get("custom_call_target", "")):
+        return "top_k"
+    if opcode == "reduce-window":
+        return "cumsum" if "cum" in data["op_path"] or "reduce_window" in data["op_path"] else "reduce-window"
+    if opcode == "custom-call" and data["instr"].attrs.get("custom_call_target", "").strip('"') in _CONSTRAINT_TARGETS:
+        return "sharding_constraint"  # GSPMD keeps the constraint as a custom call
+    if opcode == "copy" and data["op_path"].rsplit("/", 1)[-1] in _CONSTRAINT_OP_NAMES:
+        return "sharding_constraint"  # Shardy exports it as a copy named after the JAX op
+    return None
+
+
+def _lost_axes(graph, node, op):
+    """(lost axes, operand node, element) when the op drops an axis of its operand."""
+    src = operand_of(graph, node, 0)
+    if src is None:
+        return None
+    operand, element = src
+    before = sharding_of(graph, operand, element)
+    after = sharding_of(graph, node, 0)
+    if before is None or after is None or before.manual or after.manual:
+        return None
+    in_dims, out_dims = dims_of(graph, operand, element), dims_of(graph, node, 0)
+    if op == "reshape":
+        pairs = reshape_groups(in_dims, out_dims)
+    elif op == "sort":
+        dims = _int_list(graph.nodes[node]["instr"].attrs.get("dimensions", "{0}"))
+        pairs = [([d], [d]) for d in dims]
+    elif op == "top_k":
+        pairs = [([len(in_dims) - 1], [len(in_dims) - 1])]
+    elif op in ("cumsum", "reduce-window"):
+        sizes = _window_sizes(graph.nodes[node]["instr"].attrs.get("window", ""))
+        pairs = [([d], [d]) for d, s in enumerate(sizes) if s > 1]
+    else:  # sharding_constraint: every dimension
+        pairs = [([d], [d]) for d in range(len(in_dims))]
+    lost: list[str] = []
+    for ins, outs in pairs:
+        had = [a for d in ins if d < len(before.dims) for a in before.dims[d]]
+        kept = {a for d in outs if d < len(after.dims) for a in after.dims[d]}
+        lost += [a for a in had if a not in kept and not a.startswith("?")]
+    if not lost:
+        return None
+    return tuple(dict.fromkeys(lost)), operand, element
+
+
+def reshape_groups(a: tuple[int, ...], b: tuple[int, ...]) -> list[tuple[list[int], list[int]]]:
+    """Groups of operand dims and result dims whose sizes multiply to the same number."""
+    groups: list[tuple[list[int], list[int]]] = []
+    i = j = 0
+    while i < len(a) and j < len(b):
+        gi, gj = [i], [j]
+        pa, pb = a[i], b[j]
+        i, j = i + 1, j + 1
+        while pa != pb:
+            if pa < pb and i < len(a):
+                gi.append(i)
+                pa *= a[i]
+                i += 1
+            elif j < len(b):
+                gj.append(j)
+                pb *= b[j]
+                j += 1
+            else:
+                break
+        groups.append((gi, gj))
+    if groups:
+        groups[-1][0].extend(range(i, len(a)))
+        groups[-1][1].extend(range(j, len(b)))
+    return groups
+
+
+def _constrained(graph, node) -> bool:
+    """True when a sharding constraint right after the op asked for its sharding."""
+    mine = sharding_of(graph, node)
+    frontier = [node]
+    for _ in range(3):
+        nxt = []
+        for n in frontier:
+            for user in graph.successors(n):
+                data = graph.nodes[user]
+                if _op_label(data) == "sharding_constraint":
+                    if sharding_of(graph, user) == mine:
+                        return True
+                elif data["opcode"] in ("copy", "convert", "bitcast"):
+                    nxt.append(user)
+        frontier = nxt
+    return False
+
+
+def feeds_grouped_matmul(graph: nx.DiGraph, start: str) -> bool:
+    """Whether the value flows on to a grouped matmul before it is un-flattened again."""
+    operand = operand_of(graph, start, 0)
+    leading = dims_of(graph, operand[0], operand[1]) if operand else ()
+    seen, queue = {start}, collections.deque([start])
+    while queue:
+        node = queue.popleft()
+        for user in graph.successors(node):
+            if user in seen:
+                continue
+            seen.add(user)
+            if is_grouped_matmul(graph, user):
+                return True
+            out = dims_of(graph, user, 0)
+            if (graph.nodes[user]["opcode"] == "reshape" and len(leading) > 1
+                    and out[: len(leading) - 1] == leading[: len(leading) - 1]):
+                continue  # reshaped back to (batch, seq, ...): the token region ends here
+            queue.append(user)
+    return False
+
+
+def is_grouped_matmul(graph: nx.DiGraph, node: str) -> bool:
+    """ragged-dot, a gmm-like custom call, a dot that JAX traced from a grouped-matmul
+    primitive, or a dispatch einsum batched over the expert dim of stacked weights.
+
+    On XLA:CPU `jax.lax.ragged_dot` lowers to a masked dense `dot`, which the HLO alone
+    cannot tell from any other dot; the jaxpr can, so the analysis records the source lines
+    of `ragged_dot_general` equations in `graph.graph["grouped_matmul_sources"]`.
+    """
+    data = graph.nodes[node]
+    opcode = data["opcode"]
+    if opcode in ("ragged-dot", "ragged_dot"):
+        return True
+    if opcode == "custom-call":
+        target = data["instr"].attrs.get("custom_call_target", "").lower()
+        return any(w in target for w in _GMM_TARGET_WORDS)
+    if opcode != "dot":
+        return False
+    src = data["source"]
+    if src is not None and (src.file, src.line) in graph.graph.get("grouped_matmul_sources", ()):
+        return True
+    attrs = data["instr"].attrs
+    for position, side in ((0, "lhs"), (1, "rhs")):
+        operand = operand_of(graph, node, position)
+        if (operand is not None and len(dims_of(graph, *operand)) == 3
+                and 0 in _int_list(attrs.get(f"{side}_batch_dims", "{}"))
+                and _from_parameter(graph, operand[0])):
+            return True
+    return False
+
+
+def _from_parameter(graph, node, depth: int = 6) -> bool:
+    for _ in range(depth):
+        data = graph.nodes[node]
+        if data["opcode"] == "parameter":
+            return True
+        if data["opcode"] not in _LAYOUT_OPS:
+            return False
+        src = operand_of(graph, node, 0)
+        if src is None:
+            return False
+        node = src[0]
+    return False
+
+
+def _linked_by_metadata(graph, node, collectives) -> set[str]:
+    data = graph.nodes[node]
+    src = data["source"]
+    return {c.id for c in collectives
+            if c.kind == "all-gather" and c.op_path == data["op_path"] and src is not None
+            and c.source is not None and (c.source.file, c.source.line) == (src.file, src.line)}
+
+
+def _linked_by_shape(graph, operand, element, lost, mesh: MeshInfo, collectives, claimed) -> set[str]:
+    before = sharding_of(graph, operand, element)
+    dims = dims_of(graph, operand, element)
+    sizes = mesh.as_dict()
+    expected = tuple(
+        d // math.prod(sizes.get(a, 1) for a in axes if a not in lost)
+        for d, axes in zip(dims, before.dims + ((),) * (len(dims) - len(before.dims))))
+    dtype = graph.nodes[operand]["result"][element].dtype
+    want = f"{dtype}[{','.join(map(str, expected))}]"
+    return {c.id for c in collectives
+            if c.kind == "all-gather" and c.id not in claimed and set(c.axes) & set(lost)
+            and c.shape == want}
+
+
+def _finding(graph, node, op, lost, operand, element, feeds, ids, nbytes) -> Finding:
+    data = graph.nodes[node]
+    before = describe(graph, operand, element)
+    after = describe(graph, node, 0)
+    axes = ", ".join(lost)
+    what = {"reshape": "reshape", "sort": "sort", "top_k": "top_k", "cumsum": "cumsum"}.get(op, op)
+    message = (f"{what} {before} -> {after} drops mesh axis {axes}: XLA's propagated result "
+               f"no longer carries it, so the operand is gathered over {axes}"
+               + (" and the value flows into a grouped matmul" if feeds else ""))
+    if op == "reshape" and feeds:
+        way_out = ("flatten (batch, seq) per shard: route, sort and run the grouped matmul inside "
+                   "jax.shard_map over the axes that shard batch and sequence "
+                   "(shardlint.moe.ShardedRoutedMoE, or `shardlint analyze --rewrite`)")
+    elif op == "reshape":
+        way_out = ("keep (batch, seq) as separate dimensions (einsum over both), or flatten "
+                   "inside jax.shard_map; a merged dim keeps seq's sharding only when batch "
+                   "is fully sharded first")
+    else:
+        way_out = (f"{what} needs the whole dimension on every device: compute it per shard "
+                   "inside jax.shard_map, or over a dimension that is not sharded")
+    return Finding("lost-sharding", op, lost, feeds, _source(data), data["op_path"], before, after,
+                   ids, nbytes, message, way_out)
+
+
+def describe(graph, node, element: int) -> str:
+    """`f32[4,64,16] P('data', 'context', None)`: global shape with its propagated sharding."""
+    array = graph.nodes[node]["result"][element]
+    sharding: Sharding | None = sharding_of(graph, node, element)
+    if sharding is None:
+        return str(array)
+    specs = []
+    for axes in sharding.dims:
+        specs.append("None" if not axes else repr(axes[0]) if len(axes) == 1 else repr(tuple(axes)))
+    return f"{array} P({', '.join(specs)})"
+
+
+def _source(data) -> Source | None:
+    src = data["source"]
+    return Source(src.file, src.line, src.function) if src else None
+
+
+def _int_list(text: str) -> list[int]:
+    return [int(x) for x in text.strip("{}").split(",") if x.strip()]
+
+
+def _window_sizes(text: str) -> list[int]:
+    for part in text.strip("{}").split():
+        if part.startswith("size="):
+            return [int(x) for x in part[5:].split("x")]
+    return []

@@ -1,0 +1,63 @@
+"""The propagated program as a `networkx.DiGraph`: ops are nodes, values are edges.
+
+Each node carries what the detectors need and nothing they would have to re-parse:
+opcode, per-result global shapes, XLA's propagated sharding per result (decoded to mesh
+axes), the source location and JAX's op path. Edges run from producer to user and are
+labelled with the operand position and, for tuple-shaped producers, the element read.
+"""
+
+from __future__ import annotations
+
+import networkx as nx
+
+from ._devices import MeshInfo, Sharding, parse_tuple_sharding
+from ._hlo import HloModule, Instruction
+
+
+def build_graph(module: HloModule, mesh: MeshInfo) -> nx.DiGraph:
+    graph = nx.DiGraph()
+    for instr in module.instructions():
+        ranks = [len(a.dims) for a in instr.result]
+        # After propagation an op printed without a sharding is replicated (Shardy
+        # exports only non-trivial shardings; GSPMD annotates every op).
+        shardings = (parse_tuple_sharding(instr.sharding, mesh, ranks) if instr.sharding
+                     else [Sharding(((),) * r) for r in ranks])
+        graph.add_node(
+            instr.name,
+            instr=instr,
+            opcode=instr.opcode,
+            computation=instr.computation,
+            result=instr.result,
+            shardings=shardings,
+            source=instr.source,
+            op_path=instr.op_name,
+        )
+    for instr in module.instructions():
+        for position, operand in enumerate(instr.operands):
+            # JAX 0.12 can name a tuple element directly as `%value#1`.
+            name, _, element = operand.partition("#")
+            if name in graph:
+                graph.add_edge(name, instr.name, position=position,
+                               element=int(element) if element else None)
+    return graph
+
+
+def operand_of(graph: nx.DiGraph, node: str, position: int = 0) -> tuple[str, int] | None:
+    """The producer feeding operand `position` of `node` and which result element it is."""
+    for src, _, data in graph.in_edges(node, data=True):
+        if data["position"] == position:
+            element = data["element"]
+            if element is None and graph.nodes[src]["opcode"] == "get-tuple-element":
+                element = 0
+            return src, element or 0
+    return None
+
+
+def sharding_of(graph: nx.DiGraph, node: str, element: int = 0) -> Sharding | None:
+    shardings = graph.nodes[node]["shardings"]
+    return shardings[element] if element < len(shardings) else None
+
+
+def dims_of(graph: nx.DiGraph, node: str, element: int = 0) -> tuple[int, ...]:
+    result = graph.nodes[node]["result"]
+    return result[element].dims if element < len(result) else ()

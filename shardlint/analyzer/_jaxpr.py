@@ -1,0 +1,35 @@
+"""What only the jaxpr knows: which equations are grouped matmuls, and where they are.
+
+XLA:CPU lowers `ragged_dot` to a masked dense dot that is indistinguishable from other
+dots in HLO, so the analysis asks the traced program instead and matches by source line.
+Reading a user frame goes through JAX's private `source_info_util`; this is the one place
+that does, and it serves JAX 0.10 through 0.12 unchanged.
+"""
+
+from __future__ import annotations
+
+from jax._src import source_info_util
+
+GROUPED_MATMUL_PRIMITIVES = ("ragged_dot_general", "ragged_dot", "gmm", "tgmm")
+
+
+def grouped_matmul_sources(closed_jaxpr) -> frozenset[tuple[str, int]]:
+    found: set[tuple[str, int]] = set()
+    _walk(closed_jaxpr.jaxpr, found)
+    return frozenset(found)
+
+
+def _walk(jaxpr, found: set) -> None:
+    for eqn in jaxpr.eqns:
+        name = eqn.primitive.name
+        is_gmm = name in GROUPED_MATMUL_PRIMITIVES or (
+            name == "pallas_call" and any(w in str(eqn.params.get("name", "")) for w in ("gmm", "grouped")))
+        if is_gmm:
+            frame = source_info_util.user_frame(eqn.source_info.traceback) if eqn.source_info.traceback else None
+            if frame is not None:
+                found.add((frame.file_name, frame.start_line))
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, (list, tuple)) else (param,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    _walk(inner, found)

@@ -1,0 +1,126 @@
+"""What an analysis produces: frozen records that every consumer reads as they are.
+
+The terminal summary, the JSON document (`shardlint.analysis/1`), the HTML report and
+the CI gate all read these records; nothing downstream re-parses compiler text.
+`Analysis.to_json()` and `Analysis.from_json()` are exact inverses so that a saved
+analysis can be reported or gated later.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+SCHEMA = "shardlint.analysis/1"
+
+
+@dataclasses.dataclass(frozen=True)
+class Source:
+    file: str
+    line: int
+    function: str = ""
+
+    def __str__(self) -> str:
+        return f"{self.file}:{self.line}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+    """One collective in the partitioned program, as one device sees it."""
+
+    id: str                      # the HLO instruction name, unique within the module
+    kind: str                    # all-gather, all-reduce, reduce-scatter, all-to-all, ...
+    axes: tuple[str, ...]        # mesh axes it communicates over
+    bytes: int                   # bytes moved per device (ring estimate, see README)
+    result_bytes: int            # bytes of the per-device result
+    shape: str                   # per-device result, e.g. "f32[2,64,16]"
+    op_path: str                 # JAX's op_name, e.g. "jit(step)/jvp()/reshape"
+    source: Source | None
+    is_async: bool = False
+    in_loop: bool = False        # inside a while body (executes once per iteration)
+
+
+@dataclasses.dataclass(frozen=True)
+class Finding:
+    """An op where XLA drops a mesh axis that its operand was sharded over."""
+
+    kind: str                    # "lost-sharding"
+    op: str                      # reshape, sort, top_k, cumsum, ...
+    axes: tuple[str, ...]        # mesh axes lost
+    feeds_grouped_matmul: bool
+    source: Source | None
+    op_path: str
+    operand_shape: str           # global shape and sharding, e.g. "f32[4,64,16]{data,context,-}"
+    result_shape: str
+    collectives: tuple[str, ...]  # ids of the collectives it causes
+    bytes: int                   # bytes those collectives move per device
+    message: str
+    way_out: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Requested:
+    """A resharding the user asked for (sharding constraint, shard_map specs)."""
+
+    op: str
+    axes: tuple[str, ...]
+    source: Source | None
+    op_path: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Memory:
+    argument_bytes: int
+    output_bytes: int
+    temp_bytes: int
+    alias_bytes: int
+    peak_bytes: int | None
+    flops: float | None
+
+
+@dataclasses.dataclass(frozen=True)
+class Analysis:
+    mesh: dict[str, int]
+    memory: Memory
+    collectives: tuple[Collective, ...]
+    findings: tuple[Finding, ...]
+    requested: tuple[Requested, ...]
+    versions: dict[str, str]
+    partitioner: str             # "shardy" or "gspmd"
+    platform: str = "cpu"
+    topology: str | None = None
+
+    def all_gathers(self) -> tuple[Collective, ...]:
+        return tuple(c for c in self.collectives if c.kind == "all-gather")
+
+    def to_json(self) -> dict[str, Any]:
+        doc = dataclasses.asdict(self)
+        doc = {"schema": SCHEMA, **doc}
+        return doc
+
+    @classmethod
+    def from_json(cls, doc: dict[str, Any]) -> Analysis:
+        if doc.get("schema") != SCHEMA:
+            raise ValueError(f"not a {SCHEMA} document (schema={doc.get('schema')!r})")
+
+        def src(d):
+            return Source(**d) if d else None
+
+        return cls(
+            mesh=dict(doc["mesh"]),
+            memory=Memory(**doc["memory"]),
+            collectives=tuple(
+                Collective(**{**c, "axes": tuple(c["axes"]), "source": src(c["source"])})
+                for c in doc["collectives"]),
+            findings=tuple(
+                Finding(**{**f, "axes": tuple(f["axes"]), "collectives": tuple(f["collectives"]),
+                           "source": src(f["source"])})
+                for f in doc["findings"]),
+            requested=tuple(
+                Requested(**{**r, "axes": tuple(r["axes"]), "source": src(r["source"])})
+                for r in doc["requested"]),
+            versions=dict(doc["versions"]),
+            partitioner=doc["partitioner"],
+            platform=doc.get("platform", "cpu"),
+            topology=doc.get("topology"),
+        )

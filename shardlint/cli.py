@@ -1,0 +1,88 @@
+"""The `shardlint` command: argparse over the library, nothing else.
+
+Exit codes: 0 clean, 1 findings (or gate failed), 2 usage or input error (one line on
+stderr, no traceback).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from ._errors import ShardlintError
+
+
+def _progress(message: str) -> None:
+    print(f"shardlint: {message}", file=sys.stderr, flush=True)
+
+
+def _add_target(p: argparse.ArgumentParser) -> None:
+    p.add_argument("target", help="path/to/model.py:make_step or package.module:make_step; "
+                                  "called with the mesh, returns (step_fn, args)")
+    p.add_argument("--mesh", required=True, help="mesh axes in order, e.g. data=2,context=4")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="shardlint", description="Find where XLA loses the sharding of a JAX step.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("analyze", help="analyze a step: findings, collectives, memory")
+    _add_target(p)
+    p.add_argument("--json", metavar="FILE", help="write the analysis (shardlint.analysis/1)")
+    p.add_argument("--rewrite", action="store_true",
+                   help="analyze the step after putting the sharding-preserving MoE in place")
+    return parser
+
+
+def _load(args):
+    from ._target import build_mesh, check_mesh, make_step, parse_mesh_spec, simulate_devices
+
+    axes = parse_mesh_spec(args.mesh)
+    import math
+
+    simulate_devices(math.prod(axes.values()))
+    mesh = build_mesh(axes)
+    _progress(f"tracing {args.target}")
+    fn, step_args = make_step(args.target, mesh)
+    check_mesh(step_args, mesh)
+    return mesh, fn, step_args
+
+
+def _analyze(args) -> int:
+    from .analyzer import analyze
+    from .reports import format_text, write_json
+
+    mesh, fn, step_args = _load(args)
+    if args.rewrite:
+        from .rewrites import rewrite
+
+        fn = rewrite(fn, mesh, verify=True, args=step_args, progress=_progress)
+    analysis = analyze(fn, *step_args, progress=_progress)
+    print(format_text(analysis, title=args.target + (" (rewritten)" if args.rewrite else "")))
+    if args.json:
+        write_json(analysis, args.json)
+        _progress(f"wrote {args.json}")
+    return 1 if analysis.findings else 0
+
+
+_COMMANDS = {"analyze": _analyze}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # argparse already printed one line of usage
+        return int(e.code or 0)
+    try:
+        return _COMMANDS[args.command](args)
+    except ShardlintError as e:
+        print(f"shardlint: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("shardlint: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Small model steps that the demo, the README and the tests use as CLI targets."""

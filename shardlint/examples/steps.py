@@ -1,0 +1,135 @@
+"""Tiny training steps that show (or avoid) lost sharding, written as users write them.
+
+Each `make_*` takes a mesh (axes `data` and `context` at least) and returns
+`(step_fn, args)` with `jax.ShapeDtypeStruct` arguments carrying NamedShardings, so any
+of them is a CLI target: `shardlint analyze shardlint.examples.steps:make_step --mesh
+data=2,context=4`. They are deliberately plain JAX, independent of `shardlint.moe`, so
+the analyzer is tested on code shardlint did not write.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+
+@dataclasses.dataclass(frozen=True)
+class Sizes:
+    batch: int = 4
+    seq: int = 64
+    emb: int = 16
+    mlp: int = 32
+    experts: int = 4
+    top_k: int = 2
+
+
+def _route(tokens_TD, w_gate_DE, top_k):
+    logits_TE = tokens_TD @ w_gate_DE
+    weights_TK, experts_TK = jax.lax.top_k(logits_TE, top_k)
+    return jax.nn.softmax(weights_TK, axis=-1), experts_TK
+
+
+def _experts(tokens_TD, weights_TK, experts_TK, w_in_EDF, w_out_EFD):
+    """Dropless routed experts: sort by expert, grouped matmuls, unsort, combine."""
+    num_tokens, emb = tokens_TD.shape
+    top_k = experts_TK.shape[1]
+    flat_expert = experts_TK.reshape(-1)
+    order = jnp.argsort(flat_expert)
+    sorted_TkD = jnp.repeat(tokens_TD, top_k, axis=0)[order]
+    group_sizes = jnp.bincount(flat_expert, length=w_in_EDF.shape[0]).astype(jnp.int32)
+    hidden = jax.nn.silu(jax.lax.ragged_dot(sorted_TkD, w_in_EDF, group_sizes))
+    out_sorted = jax.lax.ragged_dot(hidden, w_out_EFD, group_sizes)
+    out_TkD = jnp.zeros_like(out_sorted).at[order].set(out_sorted)
+    return (out_TkD.reshape(num_tokens, top_k, emb) * weights_TK[..., None]).sum(1)
+
+
+def routed_moe(params, x_BSD, top_k):
+    """The layer that loses context sharding: flattens (batch, seq) over the whole array."""
+    b, s, d = x_BSD.shape
+    tokens_TD = x_BSD.reshape(b * s, d)
+    weights_TK, experts_TK = _route(tokens_TD, params["w_gate"], top_k)
+    out_TD = _experts(tokens_TD, weights_TK, experts_TK, params["w_in"], params["w_out"])
+    return out_TD.reshape(b, s, d)
+
+
+def per_shard_moe(mesh, top_k):
+    """The same layer flattened per shard inside shard_map: nothing is lost."""
+
+    def local(params, x_BSD):
+        return routed_moe(params, x_BSD, top_k)
+
+    spec = P("data", "context", None)
+    return jax.shard_map(local, mesh=mesh, in_specs=(P(), spec), out_specs=spec)
+
+
+def dense_mlp(params, x_BSD):
+    """A flatten before a plain dense MLP: loses context, but feeds no grouped matmul."""
+    b, s, d = x_BSD.shape
+    tokens_TD = x_BSD.reshape(b * s, d)
+    hidden_TF = jax.nn.silu(tokens_TD @ params["w_in"])
+    return (hidden_TF @ params["w_out"]).reshape(b, s, d)
+
+
+def attention_kv_gather(mesh, params, x_BSD, heads=2):
+    """Split heads (keeps seq whole) and gather K/V over context on purpose."""
+    b, s, d = x_BSD.shape
+    q = (x_BSD @ params["wq"]).reshape(b, s, heads, d // heads)
+    k = (x_BSD @ params["wk"]).reshape(b, s, heads, d // heads)
+    v = (x_BSD @ params["wv"]).reshape(b, s, heads, d // heads)
+    gathered = NamedSharding(mesh, P("data", None, None, None))
+    k = jax.lax.with_sharding_constraint(k, gathered)
+    v = jax.lax.with_sharding_constraint(v, gathered)
+    logits = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(d // heads)
+    mask = jnp.tril(jnp.ones((s, s), bool))
+    probs = jax.nn.softmax(jnp.where(mask, logits, -1e9), axis=-1)
+    return jnp.einsum("bhqk,bkhd->bqhd", probs, v).reshape(b, s, d)
+
+
+def _loss_step(layer):
+    def step(params, x_BSD):
+        def loss(params):
+            return jnp.mean(layer(params, x_BSD) ** 2)
+
+        return jax.value_and_grad(loss)(params)
+
+    return step
+
+
+def _args(mesh, sizes: Sizes, shapes: dict[str, tuple[int, ...]]):
+    replicated = NamedSharding(mesh, P())
+    params = {k: jax.ShapeDtypeStruct(v, jnp.float32, sharding=replicated) for k, v in shapes.items()}
+    x = jax.ShapeDtypeStruct((sizes.batch, sizes.seq, sizes.emb), jnp.float32,
+                             sharding=NamedSharding(mesh, P("data", "context", None)))
+    return params, x
+
+
+def _moe_shapes(z: Sizes):
+    return {"w_gate": (z.emb, z.experts), "w_in": (z.experts, z.emb, z.mlp),
+            "w_out": (z.experts, z.mlp, z.emb)}
+
+
+def make_step(mesh, sizes: Sizes = Sizes()):
+    """Routed MoE flattened outside shard_map, value_and_grad: the bug."""
+    step = _loss_step(lambda p, x: routed_moe(p, x, sizes.top_k))
+    return step, _args(mesh, sizes, _moe_shapes(sizes))
+
+
+def make_per_shard_step(mesh, sizes: Sizes = Sizes()):
+    """The same MoE flattened per shard inside shard_map: the fix."""
+    step = _loss_step(per_shard_moe(mesh, sizes.top_k))
+    return step, _args(mesh, sizes, _moe_shapes(sizes))
+
+
+def make_dense_step(mesh, sizes: Sizes = Sizes()):
+    step = _loss_step(dense_mlp)
+    return step, _args(mesh, sizes, {"w_in": (sizes.emb, sizes.mlp), "w_out": (sizes.mlp, sizes.emb)})
+
+
+def make_attention_step(mesh, sizes: Sizes = Sizes()):
+    step = _loss_step(lambda p, x: attention_kv_gather(mesh, p, x))
+    d = sizes.emb
+    return step, _args(mesh, sizes, {"wq": (d, d), "wk": (d, d), "wv": (d, d)})

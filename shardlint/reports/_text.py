@@ -1,0 +1,72 @@
+"""The terminal summary: findings first, then the collective table, then memory."""
+
+from __future__ import annotations
+
+import json
+
+from ..analyzer import Analysis
+
+
+def human_bytes(n: float | None) -> str:
+    if n is None:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n:.2f} TiB"
+
+
+def format_text(analysis: Analysis, title: str = "") -> str:
+    mesh = " x ".join(f"{k}={v}" for k, v in analysis.mesh.items())
+    lines = [f"shardlint: {title + ' ' if title else ''}on mesh {mesh} "
+             f"({analysis.platform}, {analysis.partitioner}, jax {analysis.versions.get('jax', '?')})", ""]
+    if analysis.findings:
+        lines.append(f"{len(analysis.findings)} finding(s): sharding lost")
+        for i, f in enumerate(analysis.findings, 1):
+            where = str(f.source) if f.source else "(no source line)"
+            lines.append(f"  [{i}] {where}  {f.op} drops {', '.join(f.axes)}"
+                         + ("  -> feeds a grouped matmul" if f.feeds_grouped_matmul else ""))
+            lines.append(f"      op path: {f.op_path}")
+            lines.append(f"      {f.operand_shape}  ->  {f.result_shape}")
+            if f.collectives:
+                lines.append(f"      costs: {', '.join(f.collectives)} ({human_bytes(f.bytes)} per device)")
+            else:
+                lines.append("      costs: no collective linked (XLA may recompute or replicate instead)")
+            lines.append(f"      way out: {f.way_out}")
+    else:
+        lines.append("no findings: XLA keeps every sharded dimension sharded")
+    if analysis.requested:
+        lines.append("")
+        lines.append(f"{len(analysis.requested)} resharding(s) you asked for (not findings):")
+        for r in analysis.requested:
+            lines.append(f"  {r.source or '(no source)'}  {r.op} replicates {', '.join(r.axes)}")
+    lines.append("")
+    lines.append(f"{len(analysis.collectives)} collective(s):")
+    if analysis.collectives:
+        rows = [("kind", "axes", "moved/dev", "shape", "source", "op path")]
+        for c in sorted(analysis.collectives, key=lambda c: (-c.bytes, c.id)):
+            rows.append((c.kind + (" (async)" if c.is_async else ""), ",".join(c.axes),
+                         human_bytes(c.bytes), _clip(c.shape, 36), str(c.source or "-"),
+                         _clip(c.op_path, 60)))
+        widths = [max(len(r[i]) for r in rows) for i in range(5)]
+        for r in rows:
+            lines.append("  " + "  ".join(r[i].ljust(widths[i]) for i in range(5)) + "  " + r[5])
+    m = analysis.memory
+    lines.append("")
+    lines.append("memory per device: "
+                 f"arguments {human_bytes(m.argument_bytes)}, outputs {human_bytes(m.output_bytes)}, "
+                 f"temp {human_bytes(m.temp_bytes)}"
+                 + (f", peak {human_bytes(m.peak_bytes)}" if m.peak_bytes else "")
+                 + (f"; {m.flops:.3g} FLOPs" if m.flops else ""))
+    return "\n".join(lines)
+
+
+def _clip(text: str, n: int) -> str:
+    return text if len(text) <= n else text[: n - 1] + "…"
+
+
+def write_json(analysis: Analysis, path: str) -> None:
+    with open(path, "w") as fh:
+        json.dump(analysis.to_json(), fh, indent=2)
+        fh.write("\n")
