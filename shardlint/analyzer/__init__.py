@@ -13,6 +13,8 @@ from ._model import SCHEMA as SCHEMA
 from ._model import Analysis as Analysis
 from ._model import Collective as Collective
 from ._model import Finding as Finding
+from ._model import GraphNode as GraphNode
 from ._model import Memory as Memory
+from ._model import Neighbourhood as Neighbourhood
 from ._model import Requested as Requested
 from ._model import Source as Source

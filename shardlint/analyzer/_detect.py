@@ -23,7 +23,7 @@ import networkx as nx
 
 from ._devices import MeshInfo, Sharding
 from ._graph import dims_of, operand_of, sharding_of
-from ._model import Collective, Finding, Requested, Source
+from ._model import Collective, Finding, GraphNode, Neighbourhood, Requested, Source
 
 _LAYOUT_OPS = {"convert", "copy", "bitcast", "reshape", "transpose", "get-tuple-element",
                "dynamic-slice", "all-gather", "parameter", "broadcast", "slice"}
@@ -279,7 +279,18 @@ def _finding(graph, node, op, lost, operand, element, feeds, ids, nbytes) -> Fin
         way_out = (f"{what} needs the whole dimension on every device: compute it per shard "
                    "inside jax.shard_map, or over a dimension that is not sharded")
     return Finding("lost-sharding", op, lost, feeds, _source(data), data["op_path"], before, after,
-                   ids, nbytes, message, way_out)
+                   ids, nbytes, message, way_out, neighbourhood(graph, node))
+
+
+def neighbourhood(graph, node, radius: int = 2, limit: int = 14) -> Neighbourhood:
+    """Ops within `radius` edges of `node` (producers and users), at most `limit`."""
+    around = nx.ego_graph(graph, node, radius=radius, undirected=True)
+    keep = sorted(around.nodes, key=lambda n: (nx.shortest_path_length(around.to_undirected(), node, n), n))[:limit]
+    nodes = tuple(GraphNode(n, graph.nodes[n]["opcode"], describe(graph, n, 0) if graph.nodes[n]["result"] else "",
+                            _source(graph.nodes[n]), n == node) for n in keep)
+    kept = set(keep)
+    edges = tuple((a, b) for a, b in graph.subgraph(kept).edges)
+    return Neighbourhood(nodes, edges)
 
 
 def describe(graph, node, element: int) -> str:

@@ -56,6 +56,24 @@ class Finding:
     bytes: int                   # bytes those collectives move per device
     message: str
     way_out: str
+    neighbourhood: Neighbourhood | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class GraphNode:
+    id: str
+    op: str                      # HLO opcode
+    shape: str                   # global shape with XLA's propagated sharding
+    source: Source | None
+    focus: bool = False          # the op the finding is about
+
+
+@dataclasses.dataclass(frozen=True)
+class Neighbourhood:
+    """The ops around a finding in the propagated graph, for drawing."""
+
+    nodes: tuple[GraphNode, ...]
+    edges: tuple[tuple[str, str], ...]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,7 +132,8 @@ class Analysis:
                 for c in doc["collectives"]),
             findings=tuple(
                 Finding(**{**f, "axes": tuple(f["axes"]), "collectives": tuple(f["collectives"]),
-                           "source": src(f["source"])})
+                           "source": src(f["source"]),
+                           "neighbourhood": _neighbourhood(f.get("neighbourhood"))})
                 for f in doc["findings"]),
             requested=tuple(
                 Requested(**{**r, "axes": tuple(r["axes"]), "source": src(r["source"])})
@@ -124,3 +143,11 @@ class Analysis:
             platform=doc.get("platform", "cpu"),
             topology=doc.get("topology"),
         )
+
+
+def _neighbourhood(doc) -> Neighbourhood | None:
+    if not doc:
+        return None
+    nodes = tuple(GraphNode(**{**n, "source": Source(**n["source"]) if n["source"] else None})
+                  for n in doc["nodes"])
+    return Neighbourhood(nodes, tuple(tuple(e) for e in doc["edges"]))
