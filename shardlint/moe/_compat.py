@@ -1,0 +1,46 @@
+"""The one place that knows how JAX versions differ for what this package uses.
+
+Supported: JAX 0.10 and 0.12. Both spell the API `jax.shard_map(..., check_vma=)`; older
+releases had `jax.experimental.shard_map.shard_map(..., check_rep=)`. Keeping the switch
+here means the layers never branch on versions.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+
+if hasattr(jax, "shard_map"):
+    _shard_map = jax.shard_map
+else:  # pragma: no cover - older JAX
+    from jax.experimental.shard_map import shard_map as _shard_map
+
+_PARAMS = inspect.signature(_shard_map).parameters
+_CHECK_KW = "check_vma" if "check_vma" in _PARAMS else "check_rep"
+
+
+def shard_map(f: Callable[..., Any], *, mesh: jax.sharding.Mesh, in_specs: Any,
+              out_specs: Any) -> Callable[..., Any]:
+    """`jax.shard_map` over every mesh axis, with replication/varying-ness checks on.
+
+    The checks stay on because they are what makes the transpose insert the psum of
+    gradients for inputs that are replicated over an axis the body varies over (weights
+    over the token axes, activations over the tensor axis).
+    """
+    return _shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
+                      **{_CHECK_KW: True})
+
+
+def argsort(keys: jax.Array) -> jax.Array:
+    """Stable argsort of a 1-D array that keeps the varying-manual-axes type.
+
+    `jnp.argsort` drops the `{V:axis}` type of a value that varies over a `shard_map` axis
+    (seen in JAX 0.10.2 and 0.12.0.1), so autodiff treats the permutation as replicated and
+    the backward pass of a gather through it uses one device's permutation on every
+    device: wrong input gradients, no error. `lax.sort` over (keys, iota) keeps the type.
+    """
+    iota = jax.lax.broadcasted_iota(jnp.int32, keys.shape, 0)
+    return jax.lax.sort((keys, iota), num_keys=1, is_stable=True)[1]

@@ -1,0 +1,150 @@
+"""Expert computation shared by the reference and the sharded layer.
+
+Everything here works on one block of tokens `x_TD` (the whole flattened batch in the
+reference, one shard's block inside `shard_map` in the sharded layer):
+
+  sparse (dropless)  `grouped_swiglu`: sort rows by expert, three `jax.lax.ragged_dot`
+                     grouped matmuls, unsort. Rows whose group id equals `num_groups`
+                     are padding: they sort last, belong to no group and come out zero,
+                     which is how expert parallelism hands in fixed-size buckets.
+  dense (capacity)   `dense_dispatch` -> `batched_swiglu` -> `dense_combine`: one-hot
+                     dispatch/combine masks and expert-batched einsums, split in three so
+                     the sharded layer can put an all-to-all between them.
+
+`moe_tokens` strings route + experts + combine together for the cases that need no
+communication in the middle; the reference calls it on all tokens, the sharded layer on
+its local block.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from . import _compat
+from ._config import MoeConfig
+from ._routing import route
+
+Params = dict[str, Any]
+
+
+def init_moe_params(key: jax.Array, cfg: MoeConfig) -> Params:
+    """Router kernel `gate` [D, E] and SwiGLU experts `wi_0`, `wi_1` [E, D, F], `wo` [E, F, D]."""
+    D, F, E = cfg.emb_dim, cfg.mlp_dim, cfg.num_experts
+    k_gate, k0, k1, ko = jax.random.split(key, 4)
+    normal = lambda k, shape, fan_in: (jax.random.normal(k, shape, jnp.float32)
+                                       * fan_in ** -0.5).astype(cfg.dtype)
+    return {
+        "gate": normal(k_gate, (D, E), D),
+        "wi_0": normal(k0, (E, D, F), D),
+        "wi_1": normal(k1, (E, D, F), D),
+        "wo": normal(ko, (E, F, D), F),
+    }
+
+
+def swiglu(x_TD: jax.Array, wi_0_DF: jax.Array, wi_1_DF: jax.Array,
+           wo_FD: jax.Array) -> jax.Array:
+    """A dense SwiGLU MLP over the last dimension (any leading dimensions)."""
+    h0 = jnp.einsum("...d,df->...f", x_TD, wi_0_DF)
+    h1 = jnp.einsum("...d,df->...f", x_TD, wi_1_DF)
+    return jnp.einsum("...f,fd->...d", jax.nn.silu(h0) * h1, wo_FD)
+
+
+def grouped_swiglu(x_ND: jax.Array, group_M: jax.Array, num_groups: int,
+                   wi_0_GDF: jax.Array, wi_1_GDF: jax.Array, wo_GFD: jax.Array, *,
+                   source_M: jax.Array | None = None) -> jax.Array:
+    """Row m of the result is expert `group_M[m]`'s SwiGLU of x_ND[source_M[m]].
+
+    source_M defaults to the identity (row m of x_ND). A group id of `num_groups` marks a
+    padding row; its result is zero. Returns y_MD in the original row order.
+    """
+    M = group_M.shape[0]
+    with jax.named_scope("moe/sort"):
+        order_M = _compat.argsort(group_M)
+        src_M = order_M if source_M is None else source_M[order_M]
+        x_MD = x_ND[src_M]
+        sizes_G = jnp.zeros((num_groups,), jnp.int32).at[group_M].add(1, mode="drop")
+    with jax.named_scope("moe/experts"):
+        h0_MF = jax.lax.ragged_dot(x_MD, wi_0_GDF, sizes_G)
+        h1_MF = jax.lax.ragged_dot(x_MD, wi_1_GDF, sizes_G)
+        y_MD = jax.lax.ragged_dot(jax.nn.silu(h0_MF) * h1_MF, wo_GFD, sizes_G)
+        valid_M = jnp.arange(M) < jnp.sum(sizes_G)
+        y_MD = jnp.where(valid_M[:, None], y_MD, jnp.zeros_like(y_MD))
+    with jax.named_scope("moe/unsort"):
+        return jnp.zeros_like(y_MD).at[order_M].set(y_MD, unique_indices=True)
+
+
+def combine_rows(y_MD: jax.Array, weights_TK: jax.Array) -> jax.Array:
+    """Weighted sum of each token's K expert outputs (rows token-major, K per token)."""
+    T, K = weights_TK.shape
+    with jax.named_scope("moe/combine"):
+        y_TKD = y_MD.reshape(T, K, y_MD.shape[-1])
+        y_TD = jnp.einsum("tkd,tk->td", y_TKD.astype(jnp.float32), weights_TK)
+        return y_TD.astype(y_MD.dtype)
+
+
+def sparse_experts(x_TD: jax.Array, weights_TK: jax.Array, experts_TK: jax.Array,
+                   params: Params, num_experts: int) -> jax.Array:
+    """Dropless routed experts on one token block: sort, grouped matmuls, unsort, combine."""
+    T, K = experts_TK.shape
+    y_MD = grouped_swiglu(x_TD, experts_TK.reshape(T * K), num_experts, params["wi_0"],
+                          params["wi_1"], params["wo"], source_M=jnp.arange(T * K) // K)
+    return combine_rows(y_MD, weights_TK)
+
+
+def dense_dispatch(x_TD: jax.Array, weights_TK: jax.Array, experts_TK: jax.Array,
+                   num_experts: int, capacity: int) -> tuple[jax.Array, jax.Array]:
+    """One-hot dispatch into [E, C, D] expert slots and the matching combine mask [T, E, C].
+
+    A token's k-th choice takes the next free slot of its expert; slots are handed out in
+    token order, then choice order (MaxText's priority). Choices past `capacity` are
+    dropped: no slot, zero weight.
+    """
+    T, K = experts_TK.shape
+    with jax.named_scope("moe/dispatch"):
+        mask_TKE = jax.nn.one_hot(experts_TK, num_experts, dtype=jnp.int32)
+        slot_ME = jnp.cumsum(mask_TKE.reshape(T * K, num_experts), axis=0) - 1
+        slot_TK = jnp.sum(slot_ME.reshape(T, K, num_experts) * mask_TKE, axis=-1)
+        slot_TKC = jax.nn.one_hot(slot_TK, capacity, dtype=jnp.float32)  # past C: all zero
+        dispatch_TKEC = mask_TKE.astype(jnp.float32)[..., None] * slot_TKC[:, :, None, :]
+        dispatch_TEC = jnp.sum(dispatch_TKEC, axis=1)
+        combine_TEC = jnp.einsum("tkec,tk->tec", dispatch_TKEC, weights_TK)
+        x_ECD = jnp.einsum("tec,td->ecd", dispatch_TEC.astype(x_TD.dtype), x_TD)
+        return x_ECD, combine_TEC
+
+
+def batched_swiglu(x_ECD: jax.Array, wi_0_EDF: jax.Array, wi_1_EDF: jax.Array,
+                   wo_EFD: jax.Array) -> jax.Array:
+    """Every expert's SwiGLU on its own slots."""
+    with jax.named_scope("moe/experts"):
+        h0 = jnp.einsum("ecd,edf->ecf", x_ECD, wi_0_EDF)
+        h1 = jnp.einsum("ecd,edf->ecf", x_ECD, wi_1_EDF)
+        return jnp.einsum("ecf,efd->ecd", jax.nn.silu(h0) * h1, wo_EFD)
+
+
+def dense_combine(y_ECD: jax.Array, combine_TEC: jax.Array) -> jax.Array:
+    with jax.named_scope("moe/combine"):
+        y_TD = jnp.einsum("ecd,tec->td", y_ECD.astype(jnp.float32), combine_TEC)
+        return y_TD.astype(y_ECD.dtype)
+
+
+def dense_experts(x_TD: jax.Array, weights_TK: jax.Array, experts_TK: jax.Array,
+                  params: Params, num_experts: int, capacity: int) -> jax.Array:
+    x_ECD, combine_TEC = dense_dispatch(x_TD, weights_TK, experts_TK, num_experts, capacity)
+    y_ECD = batched_swiglu(x_ECD, params["wi_0"], params["wi_1"], params["wo"])
+    return dense_combine(y_ECD, combine_TEC)
+
+
+def moe_tokens(x_TD: jax.Array, params: Params, cfg: MoeConfig) -> jax.Array:
+    """Route one token block and run its experts (no communication).
+
+    With tensor parallelism the expert weights hold a slice of F and the result is this
+    slice's partial sum, which the caller reduces.
+    """
+    weights_TK, experts_TK = route(x_TD, params["gate"], cfg)
+    if cfg.strategy == "sparse":
+        return sparse_experts(x_TD, weights_TK, experts_TK, params, cfg.num_experts)
+    return dense_experts(x_TD, weights_TK, experts_TK, params, cfg.num_experts,
+                         cfg.capacity(x_TD.shape[0]))

@@ -1,0 +1,40 @@
+"""The router: token logits -> top-k experts and their combine weights.
+
+One function serves the reference layer and every shard of the sharded layer, so the two
+can only differ in which tokens they see, never in how a token is routed. Routing is
+per-token (no cross-token state), which is what lets the sharded layer route a local
+block with the same result as routing the whole batch.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from ._config import MoeConfig
+
+
+def route(x_TD: jax.Array, w_gate_DE: jax.Array,
+          cfg: MoeConfig) -> tuple[jax.Array, jax.Array]:
+    """Returns (weights_TK float32, experts_TK int32) for tokens x_TD.
+
+    K experts per token are distinct. Semantics (MaxText RoutedMoE):
+      softmax_before_topk=False: top-k of the logits, softmax over those K;
+      softmax_before_topk=True: softmax over all experts, top-k of the probabilities,
+        optionally renormalised (norm_topk_prob);
+      then the weights are scaled by routed_scaling_factor when it is set.
+    """
+    with jax.named_scope("moe/route"):
+        logits_TE = jnp.einsum("td,de->te", x_TD.astype(jnp.float32),
+                               w_gate_DE.astype(jnp.float32))
+        if cfg.softmax_before_topk:
+            probs_TE = jax.nn.softmax(logits_TE, axis=-1)
+            weights_TK, experts_TK = jax.lax.top_k(probs_TE, cfg.top_k)
+            if cfg.norm_topk_prob:
+                weights_TK = weights_TK / jnp.sum(weights_TK, axis=-1, keepdims=True)
+        else:
+            top_logits_TK, experts_TK = jax.lax.top_k(logits_TE, cfg.top_k)
+            weights_TK = jax.nn.softmax(top_logits_TK, axis=-1)
+        if cfg.routed_scaling_factor is not None:
+            weights_TK = weights_TK * cfg.routed_scaling_factor
+        return weights_TK, experts_TK.astype(jnp.int32)
