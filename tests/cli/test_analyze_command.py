@@ -1,0 +1,94 @@
+"""`shardlint analyze`: exit codes, output order, JSON, and one-line errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from shardlint.cli import main
+
+TARGET = "shardlint.examples.steps:make_step"
+
+
+def test_findings_exit_1_and_json_matches_stdout(capsys, tmp_path):
+    out = tmp_path / "a.json"
+    code = main(["analyze", TARGET, "--mesh", "data=2,context=4", "--json", str(out)])
+    captured = capsys.readouterr()
+    assert code == 1
+    doc = json.loads(out.read_text())
+    assert doc["schema"] == "shardlint.analysis/1" and doc["mesh"] == {"data": 2, "context": 4}
+    text = captured.out
+    # Findings first, then collectives, then memory.
+    assert text.index("finding(s)") < text.index("collective(s)") < text.index("memory per device")
+    for f in doc["findings"]:
+        assert f"{f['source']['file']}:{f['source']['line']}" in text
+    assert "compiling" in captured.err  # progress goes to stderr
+
+
+def test_clean_step_exits_0(capsys):
+    assert main(["analyze", "shardlint.examples.steps:make_per_shard_step", "--mesh", "data=2,context=4"]) == 0
+    assert "no findings" in capsys.readouterr().out
+
+
+def test_file_target_puts_its_folder_on_sys_path(tmp_path, capsys):
+    (tmp_path / "helper_mod.py").write_text("from shardlint.examples.steps import make_dense_step as make\n")
+    (tmp_path / "model.py").write_text("import helper_mod\n\ndef make_step(mesh):\n    return helper_mod.make(mesh)\n")
+    code = main(["analyze", f"{tmp_path / 'model.py'}:make_step", "--mesh", "data=2,context=4"])
+    assert code == 1
+    assert "reshape drops context" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["analyze", TARGET, "--mesh", "data=2,context"], "cannot read 'context'"),
+    (["analyze", TARGET, "--mesh", "data=2,data=4"], "given twice"),
+    (["analyze", "no_such_module_xyz:make", "--mesh", "data=2"], "cannot import"),
+    (["analyze", "shardlint.examples.steps:nope", "--mesh", "data=2"], "no attribute 'nope'"),
+    (["analyze", "missing_file.py:make", "--mesh", "data=2"], "no file"),
+    (["analyze", "shardlint.examples.steps", "--mesh", "data=2"], "write path/to/model.py:make_step"),
+])
+def test_usage_errors_are_one_line_exit_2(capsys, argv, message):
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("shardlint: error:") and message in err[-1]
+    assert not any("Traceback" in line for line in err)
+
+
+def test_target_that_raises_and_mesh_mismatch(tmp_path, capsys):
+    (tmp_path / "bad.py").write_text(textwrap.dedent("""
+        import jax
+        from jax.sharding import AxisType
+        from shardlint.examples import steps
+
+        def raises(mesh):
+            raise RuntimeError("model config missing")
+
+        def other_mesh(mesh):
+            mine = jax.make_mesh((4, 2), ("data", "context"), axis_types=(AxisType.Auto,) * 2)
+            return steps.make_step(mine)
+
+        def broken_step(mesh):
+            fn, args = steps.make_step(mesh)
+            return (lambda params, x: x @ x), args
+    """))
+    assert main(["analyze", f"{tmp_path}/bad.py:raises", "--mesh", "data=2,context=4"]) == 2
+    assert "model config missing" in capsys.readouterr().err
+    assert main(["analyze", f"{tmp_path}/bad.py:other_mesh", "--mesh", "data=2,context=4"]) == 2
+    assert "not the --mesh" in capsys.readouterr().err
+    assert main(["analyze", f"{tmp_path}/bad.py:broken_step", "--mesh", "data=2,context=4"]) == 2
+    assert "tracing the step failed" in capsys.readouterr().err
+
+
+def test_cli_simulates_the_devices_the_mesh_needs(tmp_path):
+    # A fresh process: 16 devices are asked for from --mesh before JAX starts.
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    result = subprocess.run(
+        [sys.executable, "-m", "shardlint.cli", "analyze", "shardlint.examples.steps:make_per_shard_step",
+         "--mesh", "data=2,context=8", "--json", str(tmp_path / "a.json")],
+        capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert json.loads((tmp_path / "a.json").read_text())["mesh"] == {"data": 2, "context": 8}
