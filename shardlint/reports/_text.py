@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 from ..analyzer import Analysis
 
@@ -24,8 +25,7 @@ def format_text(analysis: Analysis, title: str = "") -> str:
     if analysis.findings:
         lines.append(f"{len(analysis.findings)} finding(s): sharding lost")
         for i, f in enumerate(analysis.findings, 1):
-            where = str(f.source) if f.source else "(no source line)"
-            lines.append(f"  [{i}] {where}  {f.op} drops {', '.join(f.axes)}"
+            lines.append(f"  [{i}] {where(f.source)}  {f.op} drops {', '.join(f.axes)}"
                          + ("  -> feeds a grouped matmul" if f.feeds_grouped_matmul else ""))
             lines.append(f"      op path: {f.op_path}")
             lines.append(f"      {f.operand_shape}  ->  {f.result_shape}")
@@ -40,14 +40,14 @@ def format_text(analysis: Analysis, title: str = "") -> str:
         lines.append("")
         lines.append(f"{len(analysis.requested)} resharding(s) you asked for (not findings):")
         for r in analysis.requested:
-            lines.append(f"  {r.source or '(no source)'}  {r.op} replicates {', '.join(r.axes)}")
+            lines.append(f"  {where(r.source)}  {r.op} replicates {', '.join(r.axes)}")
     lines.append("")
     lines.append(f"{len(analysis.collectives)} collective(s):")
     if analysis.collectives:
         rows = [("kind", "axes", "moved/dev", "shape", "source", "op path")]
         for c in sorted(analysis.collectives, key=lambda c: (-c.bytes, c.id)):
             rows.append((c.kind + (" (async)" if c.is_async else ""), ",".join(c.axes),
-                         human_bytes(c.bytes), _clip(c.shape, 36), str(c.source or "-"),
+                         human_bytes(c.bytes), _clip(c.shape, 36), where(c.source),
                          _clip(c.op_path, 60)))
         widths = [max(len(r[i]) for r in rows) for i in range(5)]
         for r in rows:
@@ -60,6 +60,17 @@ def format_text(analysis: Analysis, title: str = "") -> str:
                  + (f", peak {human_bytes(m.peak_bytes)}" if m.peak_bytes else "")
                  + (f"; {m.flops:.3g} FLOPs" if m.flops else ""))
     return "\n".join(lines)
+
+
+def where(source) -> str:
+    """`file:line`, relative to the working directory when the file is under it."""
+    if source is None:
+        return "-"
+    path = source.file
+    if os.path.isabs(path):
+        rel = os.path.relpath(path)
+        path = rel if not rel.startswith("..") else path
+    return f"{path}:{source.line}"
 
 
 def _clip(text: str, n: int) -> str:
