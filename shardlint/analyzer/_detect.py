@@ -279,7 +279,8 @@ def _finding(graph, node, op, lost, operand, element, feeds, ids, nbytes) -> Fin
         way_out = (f"{what} needs the whole dimension on every device: compute it per shard "
                    "inside jax.shard_map, or over a dimension that is not sharded")
     return Finding("lost-sharding", op, lost, feeds, _source(data), data["op_path"], before, after,
-                   ids, nbytes, message, way_out, neighbourhood(graph, node))
+                   ids, nbytes, message, way_out, neighbourhood(graph, node),
+                   sharding_of(graph, operand, element).dims)
 
 
 def neighbourhood(graph, node, radius: int = 2, limit: int = 14) -> Neighbourhood:

@@ -57,6 +57,7 @@ class Finding:
     message: str
     way_out: str
     neighbourhood: Neighbourhood | None = None
+    operand_spec: tuple[tuple[str, ...], ...] = ()   # mesh axes per operand dim, as propagated
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,7 +134,8 @@ class Analysis:
             findings=tuple(
                 Finding(**{**f, "axes": tuple(f["axes"]), "collectives": tuple(f["collectives"]),
                            "source": src(f["source"]),
-                           "neighbourhood": _neighbourhood(f.get("neighbourhood"))})
+                           "neighbourhood": _neighbourhood(f.get("neighbourhood")),
+                           "operand_spec": tuple(tuple(d) for d in f.get("operand_spec", ()))})
                 for f in doc["findings"]),
             requested=tuple(
                 Requested(**{**r, "axes": tuple(r["axes"]), "source": src(r["source"])})
