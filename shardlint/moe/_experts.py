@@ -18,6 +18,8 @@ its local block.
 
 from __future__ import annotations
 
+import functools
+import math
 from typing import Any
 
 import jax
@@ -30,18 +32,28 @@ from ._routing import route
 Params = dict[str, Any]
 
 
+@functools.partial(jax.jit, static_argnums=1)
 def init_moe_params(key: jax.Array, cfg: MoeConfig) -> Params:
-    """Router kernel `gate` [D, E] and SwiGLU experts `wi_0`, `wi_1` [E, D, F], `wo` [E, F, D]."""
+    """Router kernel `gate` [D, E] and SwiGLU experts `wi_0`, `wi_1` [E, D, F], `wo` [E, F, D].
+
+    Normal, scaled by 1/sqrt(fan-in). Jitted: eager random numbers cost seconds per shape.
+    """
     D, F, E = cfg.emb_dim, cfg.mlp_dim, cfg.num_experts
-    k_gate, k0, k1, ko = jax.random.split(key, 4)
-    normal = lambda k, shape, fan_in: (jax.random.normal(k, shape, jnp.float32)
-                                       * fan_in ** -0.5).astype(cfg.dtype)
-    return {
-        "gate": normal(k_gate, (D, E), D),
-        "wi_0": normal(k0, (E, D, F), D),
-        "wi_1": normal(k1, (E, D, F), D),
-        "wo": normal(ko, (E, F, D), F),
-    }
+    return normal_params(key, {"gate": ((D, E), D), "wi_0": ((E, D, F), D),
+                               "wi_1": ((E, D, F), D), "wo": ((E, F, D), F)}, cfg.dtype)
+
+
+def normal_params(key: jax.Array, shapes: dict[str, tuple[tuple[int, ...], int]],
+                  dtype: Any) -> Params:
+    """{name: normal(shape) / sqrt(fan_in)} drawn as one flat vector (one random kernel
+    to compile instead of one per shape, which is most of an init's time on CPU)."""
+    sizes = [math.prod(shape) for shape, _ in shapes.values()]
+    flat = jax.random.normal(key, (sum(sizes),), jnp.float32)
+    out, start = {}, 0
+    for (name, (shape, fan_in)), size in zip(shapes.items(), sizes):
+        out[name] = (flat[start:start + size].reshape(shape) * fan_in ** -0.5).astype(dtype)
+        start += size
+    return out
 
 
 def swiglu(x_TD: jax.Array, wi_0_DF: jax.Array, wi_1_DF: jax.Array,

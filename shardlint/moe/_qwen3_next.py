@@ -11,6 +11,7 @@ without any reshape, so XLA keeps its batch/seq sharding by itself. Qwen3-Next r
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -18,9 +19,18 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from ._config import MoeConfig
-from ._experts import Params, swiglu
+from ._experts import Params, init_moe_params, normal_params, swiglu
 from ._reference import RoutedMoE
 from ._sharded import ShardedRoutedMoE
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _init_shared(key: jax.Array, cfg: MoeConfig) -> Params:
+    D, Fs = cfg.emb_dim, cfg.shared_dim
+    p = normal_params(key, {"wi_0": ((D, Fs), D), "wi_1": ((D, Fs), D), "wo": ((Fs, D), Fs),
+                            "gate": ((D, 1), D)}, cfg.dtype)
+    return {"shared_expert": {k: p[k] for k in ("wi_0", "wi_1", "wo")},
+            "shared_expert_gate": p["gate"]}
 
 
 @dataclasses.dataclass(frozen=True, init=False)
@@ -45,16 +55,8 @@ class Qwen3NextSparseMoeBlock:
         object.__setattr__(self, "routed", routed)
 
     def init(self, key: jax.Array) -> Params:
-        D, Fs, dtype = self.cfg.emb_dim, self.cfg.shared_dim, self.cfg.dtype
-        k_moe, k0, k1, ko, kg = jax.random.split(key, 5)
-        normal = lambda k, shape, fan_in: (jax.random.normal(k, shape, jnp.float32)
-                                           * fan_in ** -0.5).astype(dtype)
-        return {
-            "moe": self.routed.init(k_moe),
-            "shared_expert": {"wi_0": normal(k0, (D, Fs), D), "wi_1": normal(k1, (D, Fs), D),
-                              "wo": normal(ko, (Fs, D), Fs)},
-            "shared_expert_gate": normal(kg, (D, 1), D),
-        }
+        k_moe, k_shared = jax.random.split(key)
+        return {"moe": init_moe_params(k_moe, self.cfg), **_init_shared(k_shared, self.cfg)}
 
     def __call__(self, params: Params, x_BSD: jax.Array) -> jax.Array:
         routed_BSD = self.routed(params["moe"], x_BSD)
