@@ -14,3 +14,7 @@ class UsageError(ShardlintError):
 
 class AnalysisError(ShardlintError):
     """The step could not be lowered or compiled as given (arguments, mesh, tracing)."""
+
+
+class RewriteError(ShardlintError):
+    """A step that cannot be rewritten safely, or whose rewrite changed the numbers."""

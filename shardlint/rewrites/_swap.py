@@ -1,0 +1,105 @@
+"""The route for models built on `shardlint.moe`: trace the step again with every
+`RoutedMoE` call served by a `ShardedRoutedMoE` of the same config on the same parameters.
+
+Swapping the layer before differentiation means JAX differentiates the sharded layer
+itself, so a step with `value_and_grad` inside needs nothing more. The dense strategy is
+swapped only when neither version can drop a token (capacity reaches every token of its
+group: `capacity_factor <= 0` or `top_k * capacity_factor >= num_experts`); per-shard
+capacity would otherwise change which tokens are dropped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable
+
+import jax
+
+from .._errors import RewriteError
+
+
+@contextlib.contextmanager
+def _serving_routed_moe(call):
+    from ..moe import RoutedMoE
+
+    original = RoutedMoE.__call__
+    RoutedMoE.__call__ = lambda self, params, x_BSD: call(self, params, x_BSD)
+    try:
+        yield original
+    finally:
+        RoutedMoE.__call__ = original
+
+
+def uses_routed_moe(step: Callable, args) -> list:
+    """The RoutedMoE configs the step calls (traced abstractly, nothing runs)."""
+    seen = []
+
+    def record(layer, params, x_BSD):
+        seen.append(layer.cfg)
+        return original(layer, params, x_BSD)
+
+    with _serving_routed_moe(record) as original:
+        jax.eval_shape(_unwrapped(step), *args)
+    return seen
+
+
+def check_swappable(cfg) -> None:
+    if cfg.strategy == "dense" and cfg.capacity_factor > 0 and cfg.top_k * cfg.capacity_factor < cfg.num_experts:
+        raise RewriteError(
+            f"RoutedMoE(strategy='dense', capacity_factor={cfg.capacity_factor}) drops tokens over a "
+            f"capacity computed from all tokens; per shard it would drop different ones, so it is "
+            f"left alone. Use strategy='sparse' (dropless), or capacity_factor >= "
+            f"num_experts/top_k = {cfg.num_experts / cfg.top_k:g} so nothing drops")
+
+
+class SwappedStep:
+    """`step` traced with ShardedRoutedMoE serving every RoutedMoE call."""
+
+    def __init__(self, step: Callable, mesh, *, batch_axes=None, seq_axes=None):
+        self.step = _unwrapped(step)
+        self.mesh = mesh
+        self.layer_kwargs = {"batch_axes": batch_axes, "seq_axes": seq_axes}
+        self.notes = ["swapped RoutedMoE for ShardedRoutedMoE"]
+
+    @property
+    def __name__(self):
+        return getattr(self.step, "__name__", "step")
+
+    def _call(self, *args):
+        from ..moe import ShardedRoutedMoE
+
+        def sharded(layer, params, x_BSD):
+            return ShardedRoutedMoE(layer.cfg, self.mesh, **self.layer_kwargs)(params, x_BSD)
+
+        with _serving_routed_moe(sharded):
+            return self.step(*args)
+
+    def __call__(self, *args):
+        return jax.jit(self._call)(*args)
+
+    def trace(self, *args):
+        return jax.jit(self._call).trace(*args)
+
+    def lower(self, *args):
+        return jax.jit(self._call).lower(*args)
+
+
+def swap_moe_layers(step: Callable, mesh, *, args=None, axes=None, progress=None):
+    """A SwappedStep when the step calls shardlint.moe.RoutedMoE, else None."""
+    if args is None:
+        return None
+    configs = uses_routed_moe(step, args)
+    if not configs:
+        return None
+    for cfg in configs:
+        check_swappable(cfg)
+    kwargs = {"batch_axes": axes.batch, "seq_axes": axes.seq} if axes is not None else {}
+    swapped = SwappedStep(step, mesh, **kwargs)
+    if progress:
+        progress(f"swapping {len(configs)} RoutedMoE call(s) for ShardedRoutedMoE")
+    return swapped
+
+
+def _unwrapped(step: Callable) -> Callable:
+    # A jax.jit object keeps a trace cache; trace the Python function it wraps instead.
+    return getattr(step, "__wrapped__", step)
