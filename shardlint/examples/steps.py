@@ -89,6 +89,33 @@ def attention_kv_gather(mesh, params, x_BSD, heads=2):
     return jnp.einsum("bhqk,bkhd->bqhd", probs, v).reshape(b, s, d)
 
 
+def qwen3_style_block(params, x_BSD, top_k):
+    """Routed experts plus a sigmoid-gated shared SwiGLU expert, as in Qwen3-Next."""
+    routed_BSD = routed_moe(params, x_BSD, top_k)
+    shared_BSD = (jax.nn.silu(x_BSD @ params["shared_wi_0"]) * (x_BSD @ params["shared_wi_1"])) @ params["shared_wo"]
+    gate_BS1 = jax.nn.sigmoid(x_BSD @ params["shared_gate"])
+    return routed_BSD + gate_BS1 * shared_BSD
+
+
+def capacity_moe(params, x_BSD, top_k, capacity_factor=1.0):
+    """Dense dispatch with a capacity computed over all tokens: tokens over it are dropped."""
+    b, s, d = x_BSD.shape
+    tokens_TD = x_BSD.reshape(b * s, d)
+    weights_TK, experts_TK = _route(tokens_TD, params["w_gate"], top_k)
+    num_experts = params["w_in"].shape[0]
+    capacity = max(1, int(b * s * top_k / num_experts * capacity_factor))
+    onehot_TKE = jax.nn.one_hot(experts_TK, num_experts, dtype=jnp.int32)
+    position_TKE = jnp.cumsum(onehot_TKE.reshape(-1, num_experts), axis=0).reshape(onehot_TKE.shape) - 1
+    keep_TKE = (position_TKE < capacity) & (onehot_TKE > 0)
+    slot_TKEC = jax.nn.one_hot(jnp.where(keep_TKE, position_TKE, -1), capacity, dtype=x_BSD.dtype)
+    dispatch_TEC = slot_TKEC.sum(1)
+    combine_TEC = (slot_TKEC * weights_TK[:, :, None, None]).sum(1)
+    expert_in_ECD = jnp.einsum("tec,td->ecd", dispatch_TEC, tokens_TD)
+    hidden_ECF = jax.nn.silu(jnp.einsum("ecd,edf->ecf", expert_in_ECD, params["w_in"]))
+    expert_out_ECD = jnp.einsum("ecf,efd->ecd", hidden_ECF, params["w_out"])
+    return jnp.einsum("tec,ecd->td", combine_TEC, expert_out_ECD).reshape(b, s, d)
+
+
 def _loss_step(layer):
     def step(params, x_BSD):
         def loss(params):
@@ -115,6 +142,21 @@ def _moe_shapes(z: Sizes):
 def make_step(mesh, sizes: Sizes = Sizes()):
     """Routed MoE flattened outside shard_map, value_and_grad: the bug."""
     step = _loss_step(lambda p, x: routed_moe(p, x, sizes.top_k))
+    return step, _args(mesh, sizes, _moe_shapes(sizes))
+
+
+def make_qwen3_style_step(mesh, sizes: Sizes = Sizes()):
+    """Routed MoE plus gated shared expert, flattened outside shard_map."""
+    step = _loss_step(lambda p, x: qwen3_style_block(p, x, sizes.top_k))
+    d, f = sizes.emb, sizes.mlp
+    shapes = {**_moe_shapes(sizes), "shared_wi_0": (d, f), "shared_wi_1": (d, f),
+              "shared_wo": (f, d), "shared_gate": (d, 1)}
+    return step, _args(mesh, sizes, shapes)
+
+
+def make_capacity_step(mesh, sizes: Sizes = Sizes()):
+    """Dense-dispatch MoE whose capacity couples all tokens (not safe to compute per shard)."""
+    step = _loss_step(lambda p, x: capacity_moe(p, x, sizes.top_k))
     return step, _args(mesh, sizes, _moe_shapes(sizes))
 
 

@@ -68,11 +68,17 @@ def plan_regions(global_jaxpr, local_jaxpr, seq_jaxpr, axes: TokenAxes) -> Plan:
     seq_of = _pair_vars(global_jaxpr.jaxpr, seq_jaxpr.jaxpr)
     specs: dict = {}
     scaled: set = set()
+    doubly_scaled: set = set()   # two dims grow with the token count (e.g. a capacity)
     for var, lvar in local_of.items():
         spec = _spec(var, lvar, seq_of.get(var), axes)
-        if spec is not None:
-            specs[var] = spec
-            scaled.add(var)
+        if spec is None:
+            continue
+        names = [a for entry in spec for a in _entry_axes(entry)]
+        if len(names) != len(set(names)):
+            doubly_scaled.add(var)
+            spec = P(*([None] * len(spec)))
+        specs[var] = spec
+        scaled.add(var)
 
     seeds = {i for i, e in enumerate(g_eqns) if _merges_seq(e, specs, axes)}
     exits = {i for i, e in enumerate(g_eqns) if _splits_tokens(e, specs, axes)}
@@ -100,6 +106,14 @@ def plan_regions(global_jaxpr, local_jaxpr, seq_jaxpr, axes: TokenAxes) -> Plan:
                 break
     _pull_in_constants(g_eqns, region, scaled, producer)
     _refuse_token_coupling(g_eqns, region, specs)
+    for i in sorted(region):
+        for v in g_eqns[i].outvars:
+            if v in doubly_scaled:
+                raise RewriteError(
+                    f"{v.aval.str_short()}{_user_line(g_eqns[i])} has a second dimension that grows "
+                    "with the number of tokens (a capacity computed from all tokens?): per shard "
+                    "it would be smaller and drop different tokens, so this region is left "
+                    "alone. Compute capacity per group of tokens, or use a dropless routed MoE")
     groups = _convex_groups(g_eqns, region, producer)
     outvars = set(_vars(global_jaxpr.jaxpr.outvars))
     group_of = {i: gi for gi, grp in enumerate(groups) for i in grp.eqns}
@@ -240,8 +254,8 @@ def _refuse_token_coupling(eqns, region, specs) -> None:
     for i in sorted(region):
         eqn = eqns[i]
         name = eqn.primitive.name
-        operand = eqn.invars[0] if eqn.invars else None
-        spec = specs.get(operand)
+        operands = _vars(eqn.invars[:1])
+        spec = specs.get(operands[0]) if operands else None
         if spec is None:
             continue
         if name in _CUMULATIVE:

@@ -101,11 +101,12 @@ class RewrittenStep:
 
 def rewrite(step: Callable, mesh, *, verify: bool = False, args: tuple | None = None,
             batch_axes: tuple[str, ...] | None = None, seq_axes: tuple[str, ...] | None = None,
-            progress: Callable[[str], None] | None = None) -> Callable:
+            analysis=None, progress: Callable[[str], None] | None = None) -> Callable:
     """Returns `step` with each routed-expert region computed per shard.
 
     The token axes (those sharding batch and sequence at the lossy flatten) come from the
-    analysis of `step` on the arguments' shardings, or from `batch_axes`/`seq_axes`. With
+    analysis of `step` on the arguments' shardings (pass `analysis=` to reuse one you
+    have), or from `batch_axes`/`seq_axes`. With
     `verify=True` (needs `args`) both versions run once on random inputs of the real shapes
     and a `RewriteError` is raised if any output differs beyond float32 tolerance. A step
     with nothing to rewrite is returned unchanged.
@@ -114,7 +115,7 @@ def rewrite(step: Callable, mesh, *, verify: bool = False, args: tuple | None = 
 
     axes = TokenAxes(tuple(batch_axes or ()), tuple(seq_axes)) if seq_axes else None
     if args is not None and axes is None:
-        axes = _token_axes(step, args, progress)
+        axes = _token_axes(step, args, progress, analysis)
         if axes is None:
             if progress:
                 progress("nothing to rewrite: no flatten loses sharding before a grouped matmul")
@@ -162,10 +163,11 @@ def verify_same(original: Callable, rewritten: Callable, args, *, rtol: float = 
     return True
 
 
-def _token_axes(step, args, progress) -> TokenAxes | None:
+def _token_axes(step, args, progress, analysis=None) -> TokenAxes | None:
     from ..analyzer import analyze
 
-    analysis = analyze(step, *args, progress=progress)
+    if analysis is None:
+        analysis = analyze(step, *args, progress=progress)
     found = set()
     for f in analysis.findings:
         if f.op == "reshape" and f.feeds_grouped_matmul and len(f.operand_spec) >= 2:
