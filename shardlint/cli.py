@@ -31,6 +31,23 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--json", metavar="FILE", help="write the analysis (shardlint.analysis/1)")
     p.add_argument("--rewrite", action="store_true",
                    help="analyze the step after putting the sharding-preserving MoE in place")
+    p = sub.add_parser("check", help="fail (exit 1) when the step gains an all-gather that "
+                                     "the baseline lacks; --update records the baseline")
+    _add_target(p)
+    p.add_argument("--baseline", metavar="FILE", default="shardlint.baseline.json",
+                   help="the baseline (shardlint.baseline/1; default: shardlint.baseline.json)")
+    p.add_argument("--update", action="store_true",
+                   help="record the current collectives as the baseline instead of checking")
+    p.add_argument("--format", choices=("text", "json", "github", "sarif"), default="text",
+                   help="text (default), json, github (workflow annotations) or sarif (2.1.0)")
+    p.add_argument("--kinds", default="all-gather",
+                   help="collective kinds that can fail the check, comma-separated, or 'all' "
+                        "(default: all-gather)")
+    p.add_argument("--tolerance", default="0%",
+                   help="allowed growth in bytes per collective, in percent (default: 0%%)")
+    p.add_argument("--root", metavar="DIR",
+                   help="project root that source paths are relative to (default: the git "
+                        "top-level of the current folder, else the current folder)")
     return parser
 
 
@@ -65,7 +82,13 @@ def _analyze(args) -> int:
     return 1 if analysis.findings else 0
 
 
-_COMMANDS = {"analyze": _analyze}
+def _check(args) -> int:
+    from .gate import run_check
+
+    return run_check(args, load=_load, progress=_progress)
+
+
+_COMMANDS = {"analyze": _analyze, "check": _check}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,5 +1,32 @@
 """The CI gate: a baseline of collectives and the no-new-all-gather check."""
 
+from ._baseline import SCHEMA as SCHEMA
+from ._baseline import Baseline as Baseline
+from ._baseline import BaselineError as BaselineError
+from ._baseline import Entry as Entry
+from ._baseline import baseline_of as baseline_of
+from ._baseline import dumps as dumps
+from ._baseline import read_baseline as read_baseline
+from ._baseline import write_baseline as write_baseline
+from ._command import DEFAULT_BASELINE as DEFAULT_BASELINE
+from ._command import run_check as run_check
+from ._compare import DEFAULT_KINDS as DEFAULT_KINDS
+from ._compare import Change as Change
+from ._compare import CheckResult as CheckResult
+from ._compare import compare as compare
+from ._compare import parse_kinds as parse_kinds
+from ._compare import parse_tolerance as parse_tolerance
+from ._formats import FORMATS as FORMATS
+from ._formats import check_json as check_json
+from ._formats import format_github as format_github
+from ._formats import format_text as format_text
+from ._formats import render as render
+from ._gate import BaselineRef as BaselineRef
+from ._gate import check_step as check_step
+from ._gate import default_root as default_root
 from ._keys import collective_key as collective_key
+from ._keys import key_parts as key_parts
 from ._keys import normalize_op_path as normalize_op_path
 from ._keys import relative_source as relative_source
+from ._keys import split_key as split_key
+from ._sarif import sarif_json as sarif_json

@@ -5,6 +5,11 @@ means, not from how XLA numbered it: kind, mesh axes, the op path with JAX's tra
 wrappers removed (`jit(step)/transpose(jvp())/reshape` -> `step/reshape`), the source file
 relative to the project root plus the enclosing function (no line number), and the
 per-device shape and dtype.
+
+Named scopes may contain '/' and sit inside a wrapper (`transpose(jvp(moe/route))`), so
+wrappers are removed from the whole path before it is split. XLA names a collective that
+it merged from several ops (a tuple all-reduce of gradients) `prefix/(a/op1:b/op2)`; each
+member is normalised on its own, giving `step/(op1:op2)`.
 """
 
 from __future__ import annotations
@@ -21,18 +26,52 @@ _WRAPPERS = ("jvp", "transpose", "vmap", "remat", "checkpoint", "custom_jvp_call
              "scan", "body", "checkpoint_name", "vmap_jvp")
 _WRAPPER_RE = re.compile(r"\b(" + "|".join(_WRAPPERS) + r")\(([^()]*)\)")
 
+SEPARATOR = " | "
+
 
 def normalize_op_path(op_path: str) -> str:
+    """`jit(step)/transpose(jvp(moe/route))/reshape` -> `step/moe/route/reshape`."""
+    text, previous = op_path, None
+    while previous != text:  # innermost wrapper first; scopes inside may contain '/'
+        previous = text
+        text = _WRAPPER_RE.sub(lambda m: m.group(2), text)
+    return _join_path(text)
+
+
+def _join_path(text: str) -> str:
     parts = []
-    for part in op_path.split("/"):
-        previous = None
-        while previous != part:
-            previous = part
-            part = _WRAPPER_RE.sub(lambda m: m.group(2), part)
-        part = part.strip("()")
+    for part in _split_top_level(text, "/"):
+        part = part.strip()
+        if part.startswith("(") and part.endswith(")") and _balanced(part[1:-1]):
+            members = [m for m in (_join_path(m) for m in _split_top_level(part[1:-1], ":")) if m]
+            part = "(" + ":".join(members) + ")" if len(members) > 1 else "".join(members)
         if part:
             parts.append(part)
     return "/".join(parts)
+
+
+def _balanced(text: str) -> bool:
+    depth = 0
+    for ch in text:
+        depth += (ch == "(") - (ch == ")")
+        if depth < 0:
+            return False
+    return depth == 0
+
+
+def _split_top_level(text: str, sep: str) -> list[str]:
+    """Splits on `sep` outside parentheses: `a(b:c):d` -> [`a(b:c)`, `d`]."""
+    pieces, depth, start = [], 0, 0
+    for i, ch in enumerate(text):
+        if ch == "(":
+            depth += 1
+        elif ch == ")":
+            depth -= 1
+        elif ch == sep and depth == 0:
+            pieces.append(text[start:i])
+            start = i + 1
+    pieces.append(text[start:])
+    return pieces
 
 
 def relative_source(file: str, root: str) -> str:
@@ -48,8 +87,20 @@ def relative_source(file: str, root: str) -> str:
     return os.path.basename(absolute)
 
 
-def collective_key(collective: Collective, root: str = ".") -> str:
+def key_parts(collective: Collective, root: str = ".") -> tuple[str, str, str, str, str]:
+    """(kind, axes, normalised op path, `file:function`, per-device shape); '-' when empty."""
     src = collective.source
     where = f"{relative_source(src.file, root)}:{src.function}" if src else "-"
-    return " | ".join((collective.kind, ",".join(collective.axes) or "-",
-                       normalize_op_path(collective.op_path) or "-", where, collective.shape))
+    return (collective.kind, ",".join(collective.axes) or "-",
+            normalize_op_path(collective.op_path) or "-", where, collective.shape)
+
+
+def collective_key(collective: Collective, root: str = ".") -> str:
+    return SEPARATOR.join(key_parts(collective, root))
+
+
+def split_key(key: str) -> tuple[str, str, str, str, str] | None:
+    """The inverse of `collective_key` (None if `key` has another form), for describing a
+    collective that only the baseline still knows."""
+    parts = key.split(SEPARATOR)
+    return tuple(parts) if len(parts) == 5 else None

@@ -1,0 +1,163 @@
+"""The baseline file: the collectives a step is allowed to have, one entry per stable key.
+
+Entries aggregate every collective that shares a key (forward and backward often emit
+the same one) into a count and a byte total, so a second copy shows up as growth. The
+document is meant to be committed and reviewed: it is sorted by key, carries no line
+numbers, instruction names or absolute paths, and is written the same way every time, so
+recompiling the same step yields the same bytes. It is written atomically (a temporary
+file in the same folder, then `os.replace`) so an interrupted `--update` leaves the old
+file, never half of a new one. Mesh and JAX version are recorded for the reader; they do
+not take part in the comparison.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import tempfile
+from collections.abc import Iterable
+
+from .._errors import ShardlintError
+from ..analyzer import Analysis, Collective
+from ._keys import collective_key, key_parts
+
+SCHEMA = "shardlint.baseline/1"
+
+
+class BaselineError(ShardlintError):
+    """The baseline file is missing, unreadable, or not a `shardlint.baseline/1` document."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Entry:
+    """All collectives of one key: how many there are and the bytes they move per device."""
+
+    key: str
+    kind: str
+    file: str      # source file relative to the project root, "" when XLA gave none
+    count: int
+    bytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Baseline:
+    entries: tuple[Entry, ...]   # sorted by key
+    mesh: dict[str, int]
+    jax: str
+    target: str = ""
+
+    def by_key(self) -> dict[str, Entry]:
+        return {e.key: e for e in self.entries}
+
+
+def group_by_key(collectives: Iterable[Collective], root: str) -> dict[str, list[Collective]]:
+    """Collectives grouped by stable key; within a key the largest first, then by id."""
+    groups: dict[str, list[Collective]] = {}
+    for c in collectives:
+        groups.setdefault(collective_key(c, root), []).append(c)
+    for members in groups.values():
+        members.sort(key=lambda c: (-c.bytes, c.id))
+    return dict(sorted(groups.items()))
+
+
+def entry_of(key: str, members: list[Collective], root: str) -> Entry:
+    kind, _axes, _path, where, _shape = key_parts(members[0], root)
+    file = where.rpartition(":")[0] if where != "-" else ""
+    return Entry(key=key, kind=kind, file=file, count=len(members),
+                 bytes=sum(c.bytes for c in members))
+
+
+def baseline_of(analysis: Analysis, root: str, target: str = "") -> Baseline:
+    """The baseline that accepts exactly the collectives of `analysis`."""
+    groups = group_by_key(analysis.collectives, root)
+    return Baseline(entries=tuple(entry_of(k, v, root) for k, v in groups.items()),
+                    mesh=dict(analysis.mesh), jax=analysis.versions.get("jax", ""), target=target)
+
+
+def dumps(baseline: Baseline) -> str:
+    doc = {
+        "schema": SCHEMA,
+        "target": baseline.target,
+        "mesh": baseline.mesh,
+        "jax": baseline.jax,
+        "collectives": [
+            {"key": e.key, "kind": e.kind, "file": e.file, "count": e.count, "bytes": e.bytes}
+            for e in sorted(baseline.entries, key=lambda e: e.key)],
+    }
+    return json.dumps(doc, indent=2, ensure_ascii=False) + "\n"
+
+
+def write_baseline(baseline: Baseline, path: str) -> bool:
+    """Writes atomically; returns False (and leaves the file alone) when nothing changed."""
+    text = dumps(baseline)
+    try:
+        with open(path, encoding="utf-8") as fh:
+            if fh.read() == text:
+                return False
+    except (OSError, UnicodeDecodeError):
+        pass
+    folder = os.path.dirname(os.path.abspath(path))
+    try:
+        os.makedirs(folder, exist_ok=True)
+        mode = os.stat(path).st_mode & 0o777 if os.path.exists(path) else 0o644
+        fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
+    except OSError as e:
+        raise BaselineError(f"cannot write baseline {path}: {e}") from e
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.chmod(tmp, mode)
+        os.replace(tmp, path)
+    except BaseException as e:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        if isinstance(e, OSError):
+            raise BaselineError(f"cannot write baseline {path}: {e}") from e
+        raise
+    return True
+
+
+def read_baseline(path: str, how_to_create: str = "shardlint check TARGET --mesh ... --update") -> Baseline:
+    """Reads and validates a baseline; every problem is a BaselineError naming the way out."""
+    fix = f"create it with `{how_to_create}`"
+    try:
+        with open(path, encoding="utf-8") as fh:
+            text = fh.read()
+    except FileNotFoundError:
+        raise BaselineError(f"no baseline at {path}; {fix}") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise BaselineError(f"cannot read baseline {path}: {e}; {fix}") from e
+    try:
+        doc = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise BaselineError(f"baseline {path} is not valid JSON (line {e.lineno}, column "
+                            f"{e.colno}: {e.msg}); re-{fix}") from None
+    schema = doc.get("schema") if isinstance(doc, dict) else None
+    if schema != SCHEMA:
+        raise BaselineError(f"baseline {path} has schema {schema!r}, expected {SCHEMA!r}; re-{fix}")
+    try:
+        entries = tuple(_entry(d) for d in doc["collectives"])
+        mesh = {str(k): int(v) for k, v in dict(doc.get("mesh") or {}).items()}
+        jax_version, target = str(doc.get("jax", "")), str(doc.get("target", ""))
+    except (KeyError, TypeError, ValueError) as e:
+        raise BaselineError(f"baseline {path} is damaged ({type(e).__name__}: {e}); re-{fix}") from None
+    keys = [e.key for e in entries]
+    if len(set(keys)) != len(keys):
+        raise BaselineError(f"baseline {path} lists a key twice; re-{fix}")
+    return Baseline(entries=tuple(sorted(entries, key=lambda e: e.key)), mesh=mesh,
+                    jax=jax_version, target=target)
+
+
+def _entry(d: dict) -> Entry:
+    count, nbytes = d["count"], d["bytes"]
+    if not (isinstance(count, int) and isinstance(nbytes, int) and count >= 0 and nbytes >= 0):
+        raise ValueError(f"entry {d.get('key')!r}: count and bytes must be non-negative integers")
+    if not isinstance(d["key"], str) or not isinstance(d["kind"], str):
+        raise TypeError(f"entry {d.get('key')!r}: key and kind must be strings")
+    return Entry(key=d["key"], kind=d["kind"], file=str(d.get("file", "")), count=count, bytes=nbytes)
+

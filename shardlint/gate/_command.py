@@ -1,0 +1,64 @@
+"""`shardlint check`: the command-line face of the gate, kept out of cli.py so that the CLI
+stays wiring only.
+
+Order matters for speed and for clear errors: options and the baseline are validated
+before the step is traced and compiled. Everything the command prints for a machine
+(JSON, workflow commands, SARIF) goes to stdout alone; progress goes to stderr.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+from typing import Callable
+
+from ._baseline import BaselineError, read_baseline
+from ._compare import compare, mesh_text, parse_kinds, parse_tolerance
+from ._formats import headline, render
+from ._gate import BaselineRef, default_root, record
+
+DEFAULT_BASELINE = "shardlint.baseline.json"
+
+
+def update_command(target: str, mesh: str, baseline: str, root: str | None = None) -> str:
+    words = ["shardlint", "check", target, "--mesh", mesh, "--baseline", baseline]
+    words += ["--root", root] if root else []
+    return " ".join(shlex.quote(w) for w in words) + " --update"
+
+
+def run_check(args, *, load: Callable, progress: Callable[[str], None],
+              out: Callable[[str], None] = print) -> int:
+    """args: target, mesh, baseline, update, format, kinds, tolerance, root (argparse).
+    `load(args)` returns (mesh, fn, step_args). Returns the exit code: 0 passed or
+    recorded, 1 a watched collective is new or grew; errors raise ShardlintError (2)."""
+    from ..analyzer import analyze
+    from ..analyzer._collectives import KINDS
+
+    kinds = parse_kinds(args.kinds)
+    tolerance = parse_tolerance(args.tolerance)
+    root = os.path.abspath(args.root) if args.root else default_root()
+    hint = update_command(args.target, args.mesh, args.baseline, args.root)
+    before = None if args.update else read_baseline(args.baseline, how_to_create=hint)
+    _mesh, fn, step_args = load(args)
+    analysis = analyze(fn, *step_args, progress=progress)
+    if not args.update:
+        result = compare(analysis, before, root=root, baseline_path=args.baseline, kinds=kinds,
+                         tolerance=tolerance, update_hint=hint)
+        out(render(result, args.format))
+        return 0 if result.passed else 1
+    try:
+        previous = read_baseline(args.baseline)
+    except BaselineError:
+        previous = None
+    written: list[str] = []
+    baseline = record(analysis, BaselineRef(args.baseline, update=True, target=args.target,
+                                            on_write=written.append), root)
+    what = (f"{len(baseline.entries)} collective key(s) on mesh {mesh_text(baseline.mesh)}, "
+            f"jax {baseline.jax}")
+    out(f"shardlint: wrote baseline {args.baseline} ({what})" if written else
+        f"shardlint: baseline {args.baseline} is up to date ({what})")
+    if previous is not None:
+        changes = compare(analysis, previous, root=root, kinds=KINDS).changes
+        for change in changes:
+            out(f"  accepted: {headline(change)}  [{change.key}]")
+    return 0
