@@ -84,6 +84,8 @@ class ShardedRoutedMoE:
     seq_axes: str | Sequence[str] | None = dataclasses.field(default=None, kw_only=True)
     expert_axis: str | None = dataclasses.field(default=None, kw_only=True)
     tensor_axis: str | None = dataclasses.field(default=None, kw_only=True)
+    _fns: dict = dataclasses.field(default_factory=dict, init=False, repr=False,
+                                   compare=False, hash=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "batch_axes", _axes_arg(self.batch_axes))
@@ -109,11 +111,19 @@ class ShardedRoutedMoE:
         axes = self.token_axes(x_BSD)
         check_layout(self.cfg, self.mesh, x_BSD.shape, axes, self.expert_axis,
                      self.tensor_axis)
-        x_spec = P(_entry(axes.batch), _entry(axes.seq), None)
-        body = lambda p, x: self._block(p, x, axes)
-        f = _compat.shard_map(body, mesh=self.mesh, in_specs=(self.param_specs(), x_spec),
-                              out_specs=x_spec)
-        return f({k: params[k] for k in _PARAM_KEYS}, x_BSD)
+        return self._sharded_fn(axes)({k: params[k] for k in _PARAM_KEYS}, x_BSD)
+
+    def _sharded_fn(self, axes: TokenAxes):
+        """The jitted shard_map for these token axes, built once (eager calls then hit the
+        jit cache; under an outer jit it is inlined)."""
+        key = (axes.batch, axes.seq)
+        if key not in self._fns:
+            x_spec = P(_entry(axes.batch), _entry(axes.seq), None)
+            body = lambda p, x: self._block(p, x, axes)
+            self._fns[key] = jax.jit(_compat.shard_map(
+                body, mesh=self.mesh, in_specs=(self.param_specs(), x_spec),
+                out_specs=x_spec))
+        return self._fns[key]
 
     # ---- inside shard_map: one device's block ----
 

@@ -24,12 +24,18 @@ def test_explicit_keywords_win(lib):
     assert layer.token_axes(x) == moe.TokenAxes((), ("data",), "explicit")
 
 
-def test_concrete_array_sharding_is_read(lib):
+def test_concrete_array_sharding_is_read_and_kept(lib):
     mesh = lib.make_mesh((2, 4), ("data", "context"))
-    layer = moe.ShardedRoutedMoE(lib.config(), mesh)
-    x = jax.device_put(jnp.zeros((4, 16, lib.D)),
-                       NamedSharding(mesh, P(None, ("data", "context"))))
-    assert layer.token_axes(x) == moe.TokenAxes((), ("data", "context"), "array")
+    cfg = lib.config()
+    layer = moe.ShardedRoutedMoE(cfg, mesh)
+    x, _ = lib.activations()
+    xs = jax.device_put(x, NamedSharding(mesh, P(None, ("data", "context"))))
+    assert layer.token_axes(xs) == moe.TokenAxes((), ("data", "context"), "array")
+    params = layer.init(jax.random.key(0))
+    y = layer(params, xs)  # eager call on a concrete, sharded array
+    assert y.sharding.is_equivalent_to(xs.sharding, 3)
+    want = jax.jit(moe.RoutedMoE(cfg))(params, x)
+    np.testing.assert_allclose(np.asarray(y), np.asarray(want), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("shape,names,x_shape,tensor,want", [
