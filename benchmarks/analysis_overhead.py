@@ -15,6 +15,8 @@ import time
 
 import jax
 
+jax.config.update("jax_platforms", "cpu")
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
