@@ -92,3 +92,16 @@ def test_cli_simulates_the_devices_the_mesh_needs(tmp_path):
         capture_output=True, text=True, env=env, timeout=300)
     assert result.returncode == 0, result.stderr
     assert json.loads((tmp_path / "a.json").read_text())["mesh"] == {"data": 2, "context": 8}
+
+
+def test_rewrite_flag_fixes_the_step_and_refuses_what_is_unsafe(capsys, tmp_path):
+    out = tmp_path / "after.json"
+    code = main(["analyze", TARGET, "--mesh", "data=2,context=4", "--rewrite", "--json", str(out)])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    assert "verifying the rewrite" in captured.err
+    doc = json.loads(out.read_text())
+    assert doc["findings"] == [] and not [c for c in doc["collectives"] if c["kind"] == "all-gather"]
+    code = main(["analyze", "shardlint.examples.steps:make_capacity_step", "--mesh", "data=2,context=4", "--rewrite"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and "grows with the number of tokens" in err[-1]
