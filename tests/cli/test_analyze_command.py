@@ -25,8 +25,8 @@ def test_findings_exit_1_and_json_matches_stdout(capsys, tmp_path):
     text = captured.out
     # Findings first, then collectives, then memory.
     assert text.index("finding(s)") < text.index("collective(s)") < text.index("memory per device")
-    for f in doc["findings"]:
-        assert f"{f['source']['file']}:{f['source']['line']}" in text
+    for f in doc["findings"]:  # shown relative to the working directory
+        assert f"{os.path.relpath(f['source']['file'])}:{f['source']['line']}" in text
     assert "compiling" in captured.err  # progress goes to stderr
 
 
