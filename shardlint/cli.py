@@ -31,6 +31,16 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--json", metavar="FILE", help="write the analysis (shardlint.analysis/1)")
     p.add_argument("--rewrite", action="store_true",
                    help="analyze the step after putting the sharding-preserving MoE in place")
+    p = sub.add_parser("report", help="write one self-contained HTML report: findings, "
+                                      "collectives and memory, before and after the rewrite")
+    _add_target(p)
+    p.add_argument("--out", metavar="FILE", default="shardlint-report.html",
+                   help="the HTML file to write (default: shardlint-report.html)")
+    p.add_argument("--no-rewrite", action="store_true",
+                   help="report the step as it is, without the rewritten step beside it")
+    p.add_argument("--sweep", metavar="AXIS=v1,v2,...",
+                   help="also re-run the step with the mesh's AXIS at each size and chart "
+                        "per-device memory against it, e.g. --sweep context=1,2,4,8")
     p = sub.add_parser("check", help="fail (exit 1) when the step gains an all-gather that "
                                      "the baseline lacks; --update records the baseline")
     _add_target(p)
@@ -82,13 +92,30 @@ def _analyze(args) -> int:
     return 1 if analysis.findings else 0
 
 
+def _report(args) -> int:
+    from .reports import analyze_pair, prepare_devices, run_sweep, write_html
+
+    sweep = prepare_devices(args.mesh, args.sweep)  # before _load: the sweep may need more devices
+    mesh, fn, step_args = _load(args)
+    rewrite = not args.no_rewrite
+    before, after = analyze_pair(fn, step_args, mesh, rewrite=rewrite, progress=_progress)
+    points = None
+    if sweep:
+        axes = dict(zip(mesh.axis_names, mesh.devices.shape))
+        points = run_sweep(args.target, axes, sweep, rewrite=rewrite, progress=_progress,
+                           known={axes[sweep[0]]: (before, after)})
+    write_html(before, after, path=args.out, sweep=points, title=args.target)
+    _progress(f"wrote {args.out}")
+    return 1 if (after or before).findings else 0
+
+
 def _check(args) -> int:
     from .gate import run_check
 
     return run_check(args, load=_load, progress=_progress)
 
 
-_COMMANDS = {"analyze": _analyze, "check": _check}
+_COMMANDS = {"analyze": _analyze, "report": _report, "check": _check}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,277 @@
+"""The self-contained HTML report: headline, findings, collectives and their diff, sweep.
+
+One file that opens from `file://` with no network: the CSS and JavaScript next to the
+template are inlined, drawings are inline SVG (`_svg`), and a Content-Security-Policy
+meta forbids anything from elsewhere. The Jinja environment autoescapes, and the few
+trusted pieces (our own CSS/JS, SVG built with `markupsafe.escape`, the embedded JSON
+with `<` escaped) are the only `Markup` that reaches the page.
+
+The collective table groups collectives by `shardlint.gate.collective_key` — the key the
+CI gate uses — so a step that repeats a layer a thousand times shows one row per distinct
+collective with its count, and the before/after diff (new, gone, changed) is a join on
+that key. Every figure the page shows carries a `data-*` attribute equal to the number it
+was formatted from, so tests (and scrapers) read exact values.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import linecache
+import os
+from pathlib import Path
+from typing import Any
+
+import jinja2
+from markupsafe import Markup
+
+from .._errors import UsageError
+from ..analyzer import Analysis, Collective, Finding, Source
+# shardlint.gate's own key function; imported from its module because shardlint.gate
+# imports shardlint.reports (human_bytes), and a package-level import would be circular.
+from ..gate._keys import collective_key, normalize_op_path, relative_source
+from ._svg import ideal_line, memory_chart_svg, neighbourhood_svg
+from ._sweep import check_sweep, sweep_summary
+from ._text import human_bytes
+
+REPORT_SCHEMA = "shardlint.report/1"
+_TEMPLATES = Path(__file__).with_name("templates")
+_SNIPPET_RADIUS = 3
+_STATUS_ORDER = {"new": 0, "changed": 1, "gone": 2, "same": 3, "": 4}
+
+
+@functools.lru_cache(maxsize=1)
+def _environment() -> jinja2.Environment:
+    env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(_TEMPLATES)), autoescape=True,
+                             undefined=jinja2.StrictUndefined, trim_blocks=True, lstrip_blocks=True)
+    env.filters["bytes"] = human_bytes
+    return env
+
+
+def _asset(name: str) -> Markup:
+    """Our own CSS/JS, inlined verbatim (trusted: it ships in the package)."""
+    return Markup((_TEMPLATES / name).read_text(encoding="utf-8"))
+
+
+def script_json(doc: Any) -> Markup:
+    """JSON safe inside <script>: `<`, `>` and `&` become \\u escapes, still valid JSON."""
+    text = json.dumps(doc, separators=(",", ":"), sort_keys=False)
+    return Markup(text.replace("&", "\\u0026").replace("<", "\\u003c").replace(">", "\\u003e"))
+
+
+def anchor(key: str) -> str:
+    return "c-" + hashlib.sha1(key.encode()).hexdigest()[:12]
+
+
+# ------------------------------------------------------------------ headline figures
+
+def _delta(before: float | None, after: float | None) -> tuple[str, str]:
+    """(text, css class) for the change from before to after; lower is better here."""
+    if before is None or after is None:
+        return "", ""
+    if after == before:
+        return "no change", "same"
+    cls = "better" if after < before else "worse"
+    if before:
+        pct = (after - before) / before * 100
+        return (f"{pct:+.1f}%" if abs(pct) < 1 else f"{pct:+.0f}%"), cls
+    return "new", cls
+
+
+def _figure(name: str, label: str, before: float | None, after: float | None,
+            as_bytes: bool, has_after: bool) -> dict[str, Any]:
+    fmt = human_bytes if as_bytes else (lambda v: "-" if v is None else f"{v:,}")
+    text, cls = _delta(before, after) if has_after else ("", "")
+    return {"name": name, "label": label, "before": before, "after": after,
+            "before_text": fmt(before), "after_text": fmt(after) if has_after else "",
+            "delta": text, "delta_class": cls}
+
+
+def headline(before: Analysis, after: Analysis | None) -> list[dict[str, Any]]:
+    def stats(a: Analysis | None):
+        if a is None:
+            return dict.fromkeys(("ag", "ag_bytes", "temp", "peak", "findings", "coll", "coll_bytes"))
+        ags = a.all_gathers()
+        return {"ag": len(ags), "ag_bytes": sum(c.bytes for c in ags), "temp": a.memory.temp_bytes,
+                "peak": a.memory.peak_bytes, "findings": len(a.findings),
+                "coll": len(a.collectives), "coll_bytes": sum(c.bytes for c in a.collectives)}
+
+    b, a, has = stats(before), stats(after), after is not None
+    return [
+        _figure("all-gathers", "all-gathers", b["ag"], a["ag"], False, has),
+        _figure("all-gather-bytes", "all-gathered per device", b["ag_bytes"], a["ag_bytes"], True, has),
+        _figure("peak-bytes", "peak memory per device", b["peak"], a["peak"], True, has),
+        _figure("temp-bytes", "temp memory per device", b["temp"], a["temp"], True, has),
+        _figure("findings", "findings", b["findings"], a["findings"], False, has),
+        _figure("collectives", "collectives (all kinds)", b["coll"], a["coll"], False, has),
+    ]
+
+
+def verdict(before: Analysis, after: Analysis | None) -> str:
+    """One sentence a reviewer reads first."""
+    ags = before.all_gathers()
+    if after is None:
+        if not before.findings:
+            return (f"No sharding is lost. {len(ags)} all-gather(s), "
+                    f"{human_bytes(sum(c.bytes for c in ags))} per device.")
+        return (f"{len(before.findings)} op(s) lose sharding; {len(ags)} all-gather(s) move "
+                f"{human_bytes(sum(c.bytes for c in ags))} per device.")
+    ags_after = after.all_gathers()
+    gone = len(ags) - len(ags_after)
+    temp_b, temp_a = before.memory.temp_bytes, after.memory.temp_bytes
+    parts = [f"The rewrite {'removes' if gone >= 0 else 'adds'} {abs(gone)} all-gather(s) "
+             f"({human_bytes(sum(c.bytes for c in ags))} → "
+             f"{human_bytes(sum(c.bytes for c in ags_after))} per device)",
+             f"findings {len(before.findings)} → {len(after.findings)}",
+             f"temp memory {human_bytes(temp_b)} → {human_bytes(temp_a)}"
+             + (f" ({(temp_a - temp_b) / temp_b * 100:+.0f}%)" if temp_b else "")]
+    return "; ".join(parts) + "."
+
+
+def memory_rows(before: Analysis, after: Analysis | None) -> list[dict[str, Any]]:
+    rows = []
+    for field in ("argument_bytes", "output_bytes", "temp_bytes", "alias_bytes", "peak_bytes", "flops"):
+        b = getattr(before.memory, field)
+        a = getattr(after.memory, field) if after else None
+        as_bytes = field != "flops"
+        fmt = human_bytes if as_bytes else (lambda v: "-" if v is None else f"{v:.3g}")
+        text, cls = _delta(b, a) if after else ("", "")
+        rows.append({"name": field, "label": field.replace("_bytes", "").replace("flops", "FLOPs"),
+                     "before": b, "after": a, "before_text": fmt(b), "after_text": fmt(a) if after else "",
+                     "delta": text, "delta_class": cls})
+    return rows
+
+
+# ------------------------------------------------------------ collectives and their diff
+
+def _where(source: Source | None, root: str) -> str:
+    return f"{relative_source(source.file, root)}:{source.line}" if source else ""
+
+
+def collective_rows(before: Analysis, after: Analysis | None, root: str) -> list[dict[str, Any]]:
+    """One row per collective key: counts and bytes before and after, and its status."""
+    groups: dict[str, dict[str, Any]] = {}
+    for side, analysis in (("b", before), ("a", after)):
+        for c in analysis.collectives if analysis else ():
+            key = collective_key(c, root)
+            row = groups.get(key)
+            if row is None:
+                row = groups[key] = {
+                    "key": key, "anchor": anchor(key), "kind": c.kind, "axes": ",".join(c.axes) or "-",
+                    "shape": c.shape, "op_path": c.op_path, "path": normalize_op_path(c.op_path) or c.op_path, "where": _where(c.source, root),
+                    "function": c.source.function if c.source else "", "async": False, "loop": False,
+                    "b_count": 0, "b_bytes": 0, "a_count": 0, "a_bytes": 0, "ids": []}
+            row[f"{side}_count"] += 1
+            row[f"{side}_bytes"] += c.bytes
+            row["async"] |= c.is_async
+            row["loop"] |= c.in_loop
+            if len(row["ids"]) < 4:
+                row["ids"].append(c.id)
+    for row in groups.values():
+        if after is None:
+            row["status"] = ""
+        elif not row["a_count"]:
+            row["status"] = "gone"
+        elif not row["b_count"]:
+            row["status"] = "new"
+        elif (row["a_count"], row["a_bytes"]) != (row["b_count"], row["b_bytes"]):
+            row["status"] = "changed"
+        else:
+            row["status"] = "same"
+        row["count_v"] = max(row["b_count"], row["a_count"])
+        row["bytes_v"] = max(row["b_bytes"], row["a_bytes"])
+    return sorted(groups.values(), key=lambda r: (_STATUS_ORDER[r["status"]], -r["bytes_v"], r["key"]))
+
+
+def diff_summary(rows: list[dict[str, Any]]) -> dict[str, dict[str, int]]:
+    out = {s: {"rows": 0, "bytes": 0} for s in ("new", "gone", "changed", "same")}
+    for r in rows:
+        if r["status"]:
+            out[r["status"]]["rows"] += 1
+            out[r["status"]]["bytes"] += r["a_bytes"] - r["b_bytes"]
+    return out
+
+
+# -------------------------------------------------------------------------- findings
+
+def snippet(source: Source | None, radius: int = _SNIPPET_RADIUS) -> list[dict[str, Any]] | None:
+    """The lines around file:line, read from disk; None when the file is not here."""
+    if source is None or not source.file or not os.path.isfile(source.file):
+        return None
+    linecache.checkcache(source.file)
+    lines = linecache.getlines(source.file)
+    if not 1 <= source.line <= len(lines):
+        return None
+    lo, hi = max(1, source.line - radius), min(len(lines), source.line + radius)
+    return [{"n": n, "text": lines[n - 1].rstrip("\n"), "focus": n == source.line} for n in range(lo, hi + 1)]
+
+
+def finding_view(f: Finding, index: int, analysis: Analysis, root: str) -> dict[str, Any]:
+    by_id: dict[str, Collective] = {c.id: c for c in analysis.collectives if c.id in f.collectives}
+    causes = []
+    for cid in f.collectives:
+        c = by_id.get(cid)
+        causes.append({"id": cid, "anchor": anchor(collective_key(c, root)) if c else "",
+                       "kind": c.kind if c else "", "axes": ",".join(c.axes) if c else "",
+                       "shape": c.shape if c else "", "bytes": c.bytes if c else None})
+    return {"index": index, "f": f, "where": _where(f.source, root),
+            "file": f.source.file if f.source else "", "snippet": snippet(f.source),
+            "causes": causes, "graph": neighbourhood_svg(f.neighbourhood, f.axes)}
+
+
+# ---------------------------------------------------------------------------- sweep
+
+def sweep_view(sweep: dict[str, Any]) -> dict[str, Any]:
+    points = sweep["points"]
+    series = {"before": [(p["value"], p["before"].memory.temp_bytes) for p in points]}
+    if any(p["after"] is not None for p in points):
+        series["after"] = [(p["value"], p["after"].memory.temp_bytes if p["after"] else None)
+                           for p in points]
+    ideal = {name: dict(ideal_line(pts)) for name, pts in series.items()}
+    rows = [{"value": p["value"], "mesh": p["before"].mesh, "before": p["before"], "after": p["after"],
+             "ideal_before": ideal["before"].get(p["value"]),
+             "ideal_after": ideal.get("after", {}).get(p["value"])} for p in points]
+    return {"axis": sweep["axis"], "chart": memory_chart_svg(sweep["axis"], series), "rows": rows,
+            "has_after": "after" in series}
+
+
+# ------------------------------------------------------------------------------ page
+
+def render_html(before: Analysis, after: Analysis | None = None, *, sweep: dict[str, Any] | None = None,
+                title: str = "", root: str | None = None) -> str:
+    """The report as one HTML string. `root` makes source paths relative (default: cwd)."""
+    root = root or os.getcwd()
+    sweep = check_sweep(sweep) if sweep is not None else None
+    rows = collective_rows(before, after, root)
+    doc = {"schema": REPORT_SCHEMA, "title": title, "before": before.to_json(),
+           "after": after.to_json() if after else None,
+           "sweep": sweep_summary(sweep) if sweep else None}
+    return _environment().get_template("report.html").render(
+        title=title, before=before, after=after, headline=headline(before, after),
+        verdict=verdict(before, after), memory=memory_rows(before, after),
+        findings=[finding_view(f, i, before, root) for i, f in enumerate(before.findings, 1)],
+        after_findings=[finding_view(f, i, after, root) for i, f in enumerate(after.findings, 1)]
+        if after else [],
+        requested=before.requested,
+        rows=rows, kinds=sorted({r["kind"] for r in rows}), diff=diff_summary(rows),
+        sweep=sweep_view(sweep) if sweep and sweep["points"] else None,
+        where=lambda s: _where(s, root), data=script_json(doc),
+        css=_asset("report.css"), js=_asset("report.js"))
+
+
+def write_html(before: Analysis, after: Analysis | None = None, path: str = "shardlint-report.html",
+               sweep: dict[str, Any] | None = None, *, title: str = "", root: str | None = None) -> str:
+    """Writes the report to `path` and returns the path.
+
+    `after` is the analysis of the rewritten step (None: a single-analysis report);
+    `sweep` is {"axis": name, "points": [{"value": int, "before": Analysis,
+    "after": Analysis | None}, ...]} (see `shardlint.reports._sweep`).
+    """
+    text = render_html(before, after, sweep=sweep, title=title, root=root)
+    try:
+        with open(path, "w", encoding="utf-8") as fh:
+            fh.write(text)
+    except OSError as e:
+        raise UsageError(f"cannot write the report to {path}: {e.strerror or e}") from e
+    return path

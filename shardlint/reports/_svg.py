@@ -1,0 +1,263 @@
+"""Inline SVG for the HTML report: a finding's neighbourhood graph and the sweep's memory chart.
+
+Drawn here, in Python, rather than in the browser: the page then shows its pictures with
+no script and no library from elsewhere, and tests read the plotted figures straight from
+the markup (`data-*` attributes on every point and node). Every label comes from user code
+(op names, shapes, file paths), so each one goes through `markupsafe.escape`; the result
+is `Markup`, which the autoescaping template includes as it is.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+import networkx as nx
+from markupsafe import Markup, escape
+
+from ..analyzer import Neighbourhood
+from ._text import human_bytes
+
+# Node box geometry (px) for the neighbourhood drawing.
+_NODE_W, _NODE_H, _LAYER_GAP, _ROW_GAP, _PAD = 184, 48, 44, 12, 10
+_CHARS = 27                         # what fits in a box at 11px monospace
+_MAX_NODES = 48                     # beyond this the drawing stops being readable
+_NOT_AXES = {"P", "None", "replicated", "maximal", "device", "devices", "manual", "last_tile_dim_replicate"}
+
+
+def sharded_axes(shape: str) -> tuple[str, ...]:
+    """Mesh axes named in a shape's sharding: `f32[4,64] P('data', None)` -> ('data',)."""
+    _, _, tail = shape.partition("]")
+    return tuple(w for w in re.findall(r"[A-Za-z_]\w*", tail) if w not in _NOT_AXES)
+
+
+def layout_neighbourhood(nb: Neighbourhood) -> dict[str, tuple[int, int]]:
+    """Layers left to right along the data flow; rows ordered to cross few edges.
+
+    Cycles (rare in a neighbourhood) are collapsed with `nx.condensation`, layers are
+    longest paths from the sources, a source sits just left of its first consumer, and a
+    few barycenter sweeps order each layer. Returns {node id: (layer, row)}.
+    """
+    ids = [n.id for n in nb.nodes]
+    g = nx.DiGraph()
+    g.add_nodes_from(ids)
+    g.add_edges_from((a, b) for a, b in nb.edges if a in g and b in g and a != b)
+    cond = nx.condensation(g)
+    members = cond.graph["mapping"]
+    comp_layer: dict[int, int] = {}
+    for depth, generation in enumerate(nx.topological_generations(cond)):
+        for comp in generation:
+            comp_layer[comp] = depth
+    for comp in cond:  # pull sources (parameters, constants) next to their consumers
+        if cond.in_degree(comp) == 0 and cond.out_degree(comp) > 0:
+            comp_layer[comp] = min(comp_layer[s] for s in cond.successors(comp)) - 1
+    shift = min(comp_layer.values(), default=0)
+    layer = {n: comp_layer[members[n]] - shift for n in ids}
+    layers: dict[int, list[str]] = {}
+    for n in ids:
+        layers.setdefault(layer[n], []).append(n)
+    order = {n: i for col in layers.values() for i, n in enumerate(col)}
+    for sweep in range(4):
+        forward = sweep % 2 == 0
+        for depth in sorted(layers, reverse=not forward):
+            neighbours = g.predecessors if forward else g.successors
+
+            def centre(n, neighbours=neighbours):
+                near = [order[m] for m in neighbours(n)]
+                return sum(near) / len(near) if near else order[n]
+
+            layers[depth].sort(key=centre)
+            order.update({n: i for i, n in enumerate(layers[depth])})
+    return {n: (layer[n], order[n]) for n in ids}
+
+
+def _clip(text: str, n: int = _CHARS) -> str:
+    return text if len(text) <= n else text[: n - 1] + "…"
+
+
+def _trim(nb: Neighbourhood) -> Neighbourhood:
+    """Keeps the nodes nearest the focus when a neighbourhood is too big to read."""
+    if len(nb.nodes) <= _MAX_NODES:
+        return nb
+    g = nx.Graph()
+    g.add_nodes_from(n.id for n in nb.nodes)
+    g.add_edges_from(nb.edges)
+    focus = [n.id for n in nb.nodes if n.focus] or [nb.nodes[0].id]
+    dist = nx.multi_source_dijkstra_path_length(g, focus)
+    keep = set(sorted(dist, key=lambda n: dist[n])[:_MAX_NODES])
+    return Neighbourhood(tuple(n for n in nb.nodes if n.id in keep),
+                         tuple(e for e in nb.edges if e[0] in keep and e[1] in keep))
+
+
+def neighbourhood_svg(nb: Neighbourhood | None, lost_axes: tuple[str, ...] = ()) -> Markup:
+    """The ops around a finding, coloured by whether they still carry the lost axes."""
+    if nb is None or not nb.nodes:
+        return Markup("")
+    nb = _trim(nb)
+    pos = layout_neighbourhood(nb)
+    n_layers = max(p[0] for p in pos.values()) + 1
+    n_rows = max(sum(1 for p in pos.values() if p[0] == d) for d in range(n_layers))
+    width = 2 * _PAD + n_layers * _NODE_W + (n_layers - 1) * _LAYER_GAP
+    height = 2 * _PAD + n_rows * _NODE_H + (n_rows - 1) * _ROW_GAP
+    per_layer = {d: sum(1 for p in pos.values() if p[0] == d) for d in range(n_layers)}
+
+    def xy(node_id):
+        d, r = pos[node_id]
+        offset = (n_rows - per_layer[d]) * (_NODE_H + _ROW_GAP) / 2
+        return _PAD + d * (_NODE_W + _LAYER_GAP), _PAD + offset + r * (_NODE_H + _ROW_GAP)
+
+    out = [f'<svg class="graph" xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {width} {height}" '
+           f'width="100%" style="max-width:{width}px" role="img" aria-label="graph neighbourhood">']
+    for a, b in nb.edges:
+        if a not in pos or b not in pos or a == b:
+            continue
+        (x1, y1), (x2, y2) = xy(a), xy(b)
+        sx, sy, ex, ey = x1 + _NODE_W, y1 + _NODE_H / 2, x2, y2 + _NODE_H / 2
+        if ex <= sx:  # same layer (a collapsed cycle): loop around the right side
+            ex, ey = x2 + _NODE_W, y2 + _NODE_H / 2
+            bend = sx + _LAYER_GAP * 0.6
+            path = f"M{sx},{sy} C{bend},{sy} {bend},{ey} {ex + 6},{ey}"
+            tip = (ex, ey, 1)
+        else:
+            mid = (sx + ex) / 2
+            path = f"M{sx},{sy} C{mid},{sy} {mid},{ey} {ex - 6},{ey}"
+            tip = (ex, ey, -1)
+        tx, ty, s = tip
+        out.append(f'<path class="edge" d="{path}" data-from="{escape(a)}" data-to="{escape(b)}"/>'
+                   f'<path class="arrow" d="M{tx},{ty} l{s * 7},-4 v8 z"/>')
+    lost = set(lost_axes)
+    for node in nb.nodes:
+        x, y = xy(node.id)
+        carried = set(sharded_axes(node.shape))
+        state = "focus" if node.focus else ("kept" if lost and lost <= carried else "lost")
+        where = f"{node.source.file}:{node.source.line}" if node.source else ""
+        tip = "\n".join(filter(None, (f"{node.op} {node.id}", node.shape, where)))
+        out.append(
+            f'<g class="node {state}" data-node="{escape(node.id)}" data-op="{escape(node.op)}">'
+            f"<title>{escape(tip)}</title>"
+            f'<rect x="{x}" y="{y}" width="{_NODE_W}" height="{_NODE_H}" rx="6"/>'
+            f'<text x="{x + 8}" y="{y + 18}" class="op">{escape(_clip(node.op, 16))}'
+            f'<tspan class="id" dx="6">{escape(_clip(node.id, _CHARS - 2 - min(len(node.op), 16)))}</tspan></text>'
+            f'<text x="{x + 8}" y="{y + 36}" class="shape">{escape(_clip(node.shape))}</text></g>')
+    out.append("</svg>")
+    return Markup("".join(out))
+
+
+# ---------------------------------------------------------------- the sweep's line chart
+
+_CHART_W, _CHART_H = 900, 340
+_M_LEFT, _M_RIGHT, _M_TOP, _M_BOTTOM = 96, 210, 24, 48
+
+
+def _nice_ceiling(value: float) -> float:
+    if value <= 0:
+        return 1.0
+    exp = 1024 ** math.floor(math.log(value, 1024)) if value >= 1 else 1
+    scaled = value / exp
+    for step in (1, 1.25, 1.5, 2, 2.5, 3, 4, 5, 6, 8, 10, 12.5, 15, 20, 25, 40, 50, 60, 80, 100,
+                 125, 150, 200, 250, 400, 500, 600, 800, 1000, 1024):
+        if scaled <= step:
+            return step * exp
+    return scaled * exp
+
+
+def _tick(b: float) -> str:
+    """An axis label: human_bytes without the decimals that round ticks do not need."""
+    return human_bytes(b).replace(".00 ", " ")
+
+
+def ideal_line(points: list[tuple[int, int | None]]) -> list[tuple[int, float]]:
+    """Perfect scaling from a series' first point: bytes fall as 1/N with the axis size."""
+    first = next(((v, b) for v, b in sorted(points) if b), None)
+    if first is None:
+        return []
+    return [(v, first[1] * first[0] / v) for v, _ in sorted(points) if v >= first[0]]
+
+
+def _same_line(a: list[tuple[int, float]], b: list[tuple[int, float]]) -> bool:
+    """Two ideal lines that start at the same point (within 0.5%) are drawn once."""
+    return (len(a) == len(b) and bool(a)
+            and all(va == vb and abs(ba - bb) <= 0.005 * max(ba, bb) for (va, ba), (vb, bb) in zip(a, b)))
+
+
+def memory_chart_svg(axis: str, series: dict[str, list[tuple[int, int | None]]],
+                     metric: str = "temp memory per device") -> Markup:
+    """A line chart of per-device bytes against the swept axis, with ideal 1/N lines.
+
+    `series` maps "before" (and "after") to [(axis value, bytes or None)]. Each series gets
+    a dashed ideal line from its own first point, so a fix that already saves memory at
+    the smallest size is judged on how it scales, not on where it starts. The x axis is
+    logarithmic when the values span a factor of four or more (1, 2, 4, 8 spaced evenly).
+    """
+    values = sorted({v for pts in series.values() for v, _ in pts})
+    if not values:
+        return Markup("")
+    names = [n for n in ("before", "after") if n in series]
+    lines = {n: [(v, b) for v, b in sorted(series[n]) if b is not None] for n in names}
+    ideals = {n: ideal_line(series[n]) for n in names}
+    top = _nice_ceiling(max((b for pts in (*lines.values(), *ideals.values()) for _, b in pts),
+                            default=1) * 1.08)
+    log_x = values[0] > 0 and values[-1] / values[0] >= 4
+    plot_w = _CHART_W - _M_LEFT - _M_RIGHT
+    plot_h = _CHART_H - _M_TOP - _M_BOTTOM
+
+    def fx(v):
+        if len(values) == 1:
+            return _M_LEFT + plot_w / 2
+        if log_x:
+            t = math.log(v / values[0]) / math.log(values[-1] / values[0])
+        else:
+            t = (v - values[0]) / (values[-1] - values[0])
+        return _M_LEFT + t * plot_w
+
+    def fy(b):
+        return _M_TOP + plot_h * (1 - b / top)
+
+    out = [f'<svg class="chart" xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {_CHART_W} {_CHART_H}" '
+           f'width="{_CHART_W}" height="{_CHART_H}" role="img" '
+           f'aria-label="{escape(metric)} against {escape(axis)}">']
+    for i in range(5):
+        b = top * i / 4
+        y = fy(b)
+        out.append(f'<line class="grid" x1="{_M_LEFT}" x2="{_M_LEFT + plot_w}" y1="{y:.1f}" y2="{y:.1f}"/>'
+                   f'<text class="tick" x="{_M_LEFT - 8}" y="{y + 4:.1f}" text-anchor="end">'
+                   f"{escape(_tick(b))}</text>")
+    for v in values:
+        x = fx(v)
+        out.append(f'<line class="tickmark" x1="{x:.1f}" x2="{x:.1f}" y1="{_M_TOP + plot_h}" '
+                   f'y2="{_M_TOP + plot_h + 5}"/><text class="tick" x="{x:.1f}" '
+                   f'y="{_M_TOP + plot_h + 20}" text-anchor="middle">{v}</text>')
+    out.append(f'<text class="axis-label" x="{_M_LEFT + plot_w / 2}" y="{_CHART_H - 8}" '
+               f'text-anchor="middle">{escape(axis)} (mesh axis size)</text>'
+               f'<text class="axis-label" transform="rotate(-90)" x="{-(_M_TOP + plot_h / 2)}" y="14" '
+               f'text-anchor="middle">{escape(metric)}</text>')
+    labels = {"before": "before", "after": "after rewrite"}
+    ends = []
+    shared = len(names) == 2 and _same_line(ideals["before"], ideals["after"])
+    for name in names:
+        if len(ideals[name]) > 1 and not (shared and name == "after"):
+            cls = "ideal ideal-shared" if shared else f"ideal ideal-{name}"
+            coords = " ".join(f"{fx(v):.1f},{fy(b):.1f}" for v, b in ideals[name])
+            out.append(f'<polyline class="line {cls}" data-series="{"ideal" if shared else "ideal-" + name}" '
+                       f'points="{coords}"/>')
+            ends.append((fy(ideals[name][-1][1]), fx(ideals[name][-1][0]), cls,
+                         f"{'ideal ' if shared else ''}1/N · {human_bytes(ideals[name][-1][1])}"))
+    for name in names:
+        pts = lines[name]
+        if not pts:
+            continue
+        coords = " ".join(f"{fx(v):.1f},{fy(b):.1f}" for v, b in pts)
+        out.append(f'<polyline class="line {name}" points="{coords}"/>')
+        for v, b in pts:
+            out.append(f'<circle class="point {name}" cx="{fx(v):.1f}" cy="{fy(b):.1f}" r="4.5" '
+                       f'data-series="{name}" data-x="{v}" data-bytes="{int(b)}">'
+                       f"<title>{escape(labels[name])}: {escape(axis)}={v}, "
+                       f"{escape(human_bytes(b))}</title></circle>")
+        ends.append((fy(pts[-1][1]), fx(pts[-1][0]), name, f"{labels[name]} · {human_bytes(pts[-1][1])}"))
+    placed: list[float] = []
+    for y, x, cls, text in sorted(ends):  # top to bottom, nudged apart
+        y = max([y + 4] + [p + 15 for p in placed])
+        placed.append(y)
+        out.append(f'<text class="end-label {cls}" x="{x + 10:.1f}" y="{y:.1f}">{escape(text)}</text>')
+    out.append("</svg>")
+    return Markup("".join(out))

@@ -1,0 +1,159 @@
+"""The runs behind a report: before and after the rewrite, and the sweep over one mesh axis.
+
+A sweep re-runs the target with one mesh axis set to each value, so the device count
+changes from point to point. JAX fixes its device count when the backend starts, so
+`prepare_devices` asks for the largest mesh the sweep needs and starts the backend at
+once; a later, smaller request (the CLI's own set-up) then finds enough devices.
+
+The sweep handed to `write_html` is a plain, documented structure::
+
+    {"axis": "context",
+     "points": [{"value": 1, "before": Analysis, "after": Analysis | None}, ...]}
+
+Points are drawn in order of value; "after" is None when the report has no rewrite.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from typing import Any, Callable
+
+from .._errors import ShardlintError, UsageError
+from ..analyzer import Analysis
+
+Progress = Callable[[str], None]
+
+
+def parse_sweep_spec(text: str) -> tuple[str, tuple[int, ...]]:
+    """`context=1,2,4,8` -> ("context", (1, 2, 4, 8))."""
+    m = re.fullmatch(r"\s*([A-Za-z_]\w*)\s*=\s*([\d,\s]+)", text or "")
+    values = tuple(int(v) for v in m.group(2).replace(" ", "").split(",") if v) if m else ()
+    if not m or not values:
+        raise UsageError(f"--sweep: cannot read {text!r}; write AXIS=v1,v2,..., "
+                         f"e.g. --sweep context=1,2,4,8")
+    if min(values) < 1:
+        raise UsageError(f"--sweep: sizes must be >= 1, got {text!r}")
+    if len(set(values)) != len(values):
+        raise UsageError(f"--sweep: {text!r} repeats a value")
+    return m.group(1), tuple(sorted(values))
+
+
+def sweep_meshes(mesh: dict[str, int], axis: str, values: tuple[int, ...]) -> list[dict[str, int]]:
+    """The mesh of each sweep point: `mesh` with `axis` set to the value, order kept."""
+    if axis not in mesh:
+        raise UsageError(f"--sweep: axis {axis!r} is not in --mesh {mesh}; sweep one of "
+                         f"{', '.join(mesh)}")
+    return [{**mesh, axis: v} for v in values]
+
+
+def device_count(mesh: dict[str, int], sweep: tuple[str, tuple[int, ...]] | None) -> int:
+    """Devices to simulate: the largest of the mesh and every sweep point's mesh."""
+    meshes = [mesh] + (sweep_meshes(mesh, *sweep) if sweep else [])
+    return max(math.prod(m.values()) for m in meshes)
+
+
+def prepare_devices(mesh_spec: str, sweep_spec: str | None) -> tuple[str, tuple[int, ...]] | None:
+    """Parses --mesh/--sweep and, for a sweep, simulates its largest mesh and starts JAX.
+
+    Without a sweep nothing happens here: the CLI's usual set-up sizes the backend.
+    Returns the parsed sweep (axis, values) or None.
+    """
+    from .._target import parse_mesh_spec, simulate_devices
+
+    mesh = parse_mesh_spec(mesh_spec)
+    if not sweep_spec:
+        return None
+    sweep = parse_sweep_spec(sweep_spec)
+    simulate_devices(device_count(mesh, sweep))
+    import jax
+
+    jax.devices()  # start the backend now, at the sweep's size
+    return sweep
+
+
+def rewriter() -> Callable:
+    """`shardlint.rewrites.rewrite`, or a clear error where this install lacks it."""
+    try:
+        from ..rewrites import rewrite
+    except ImportError as e:
+        raise UsageError("this shardlint has no shardlint.rewrites.rewrite to apply; "
+                         "pass --no-rewrite to report the step as it is") from e
+    return rewrite
+
+
+def analyze_pair(fn: Callable, args: tuple, mesh, *, rewrite: bool = True, verify: bool = True,
+                 progress: Progress | None = None) -> tuple[Analysis, Analysis | None]:
+    """Analyzes the step, then (with `rewrite`) the rewritten step on the same arguments."""
+    from ..analyzer import analyze
+
+    rewrite_fn = rewriter() if rewrite else None  # fail before the first compile, not after
+    before = analyze(fn, *args, progress=progress)
+    if rewrite_fn is None:
+        return before, None
+    fixed = rewrite_fn(fn, mesh, verify=verify, args=args, progress=progress)
+    if progress:
+        progress("analyzing the rewritten step")
+    return before, analyze(fixed, *args, progress=progress)
+
+
+def run_sweep(target: str, mesh: dict[str, int], sweep: tuple[str, tuple[int, ...]], *,
+              rewrite: bool = True, progress: Progress | None = None,
+              known: dict[int, tuple[Analysis, Analysis | None]] | None = None) -> dict[str, Any]:
+    """Re-runs TARGET at each sweep value; `known` holds points already analyzed (by value)."""
+    from .._target import build_mesh, check_mesh, make_step
+
+    axis, values = sweep
+    known = known or {}
+    points = []
+    for value, axes in zip(values, sweep_meshes(mesh, axis, values)):
+        if value in known:
+            before, after = known[value]
+        else:
+            if progress:
+                progress(f"sweep {axis}={value}: mesh {axes}")
+            try:
+                sweep_mesh = build_mesh(axes)
+                fn, args = make_step(target, sweep_mesh)
+                check_mesh(args, sweep_mesh)
+                before, after = analyze_pair(fn, args, sweep_mesh, rewrite=rewrite, verify=False,
+                                             progress=progress)
+            except ShardlintError as e:
+                raise type(e)(f"--sweep {axis}={value}: {e}") from e
+        points.append({"value": value, "before": before, "after": after})
+    return {"axis": axis, "points": points}
+
+
+def check_sweep(sweep: dict[str, Any]) -> dict[str, Any]:
+    """Validates a sweep structure (see the module docstring); returns it sorted by value."""
+    if not isinstance(sweep, dict) or "axis" not in sweep or "points" not in sweep:
+        raise ValueError('sweep must be {"axis": name, "points": [{"value", "before", "after"}, ...]}')
+    points = []
+    for p in sweep["points"]:
+        if not isinstance(p.get("before"), Analysis) or not isinstance(p.get("value"), int):
+            raise ValueError(f"sweep point {p.get('value')!r}: needs an int value and a "
+                             f"'before' Analysis")
+        after = p.get("after")
+        if after is not None and not isinstance(after, Analysis):
+            raise ValueError(f"sweep point {p['value']}: 'after' must be an Analysis or None")
+        points.append({"value": p["value"], "before": p["before"], "after": after})
+    return {"axis": str(sweep["axis"]), "points": sorted(points, key=lambda p: p["value"])}
+
+
+def sweep_summary(sweep: dict[str, Any]) -> dict[str, Any]:
+    """The sweep as embedded JSON: per point, the mesh, memory and all-gather totals.
+
+    Whole analyses per point would multiply the page size by the number of points; the
+    full before/after analyses are embedded once, beside this summary.
+    """
+    def side(a: Analysis | None):
+        if a is None:
+            return None
+        ags = a.all_gathers()
+        return {"mesh": a.mesh, "memory": dataclasses.asdict(a.memory), "findings": len(a.findings),
+                "all_gathers": len(ags), "all_gather_bytes": sum(c.bytes for c in ags)}
+
+    return {"axis": sweep["axis"],
+            "points": [{"value": p["value"], "before": side(p["before"]), "after": side(p["after"])}
+                       for p in sweep["points"]]}
