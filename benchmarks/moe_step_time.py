@@ -7,7 +7,11 @@ of `--repeats` runs in one process, with ratios to ShardedRoutedMoE.
 
 On CPU `jax.lax.ragged_dot` is a dense masked fallback (about num_experts times the
 FLOPs of a real grouped matmul), so the MoE rows here overstate the MoE cost relative to
-the dense MLP; the reference-vs-sharded ratio is the meaningful one.
+the dense MLP; the reference-vs-sharded ratio is the meaningful one. The 8 simulated
+devices share this host's cores, so work that every device repeats (the reference computes
+all tokens on every device after its all-gather) costs up to 8x wall time here; on real
+accelerators the same waste shows up as memory and all-gather traffic instead. Timings on a
+shared host are noisy: compare ratios from one run, not across runs.
 
     python benchmarks/moe_step_time.py [--repeats 5 --seq 2048 ...]
 """
@@ -21,10 +25,16 @@ import time
 import jax
 
 jax.config.update("jax_num_cpu_devices", 8)
+jax.config.update("jax_platforms", "cpu")  # simulated devices even where libtpu is installed
 
 import _common  # noqa: E402
 
 CONTEXT = 8
+
+
+def _host_cores() -> int:
+    import os
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
 
 
 def main() -> int:
@@ -58,7 +68,8 @@ def main() -> int:
     for name, t in medians.items():
         print(f"{name:<{width}}{t * 1e3:12.1f}{t / base:11.2f}x")
     ref = medians["RoutedMoE (reference)"]
-    print(f"\nreference / sharded step time: {ref / base:.2f}x")
+    print(f"\nreference / sharded step time: {ref / base:.2f}x (simulated devices share the "
+          f"host's {_host_cores()} cores: repeated per-device work is serialized)")
     return 0
 
 
