@@ -13,6 +13,7 @@ from ._detect import find_lost_sharding
 from ._graph import build_graph
 from ._hlo import parse_hlo
 from ._model import Analysis, Memory
+from ._topology import libtpu_version
 
 
 def analyze(fn: Callable, *args, mesh=None, progress: Callable[[str], None] | None = None) -> Analysis:
@@ -38,9 +39,11 @@ def analyze(fn: Callable, *args, mesh=None, progress: Callable[[str], None] | No
         collectives=collectives,
         findings=findings,
         requested=requested,
-        versions={"jax": jax.__version__, "jaxlib": jaxlib.__version__},
+        versions={"jax": jax.__version__, "jaxlib": jaxlib.__version__,
+                  **({"libtpu": libtpu_version()} if compiled.topology else {})},
         partitioner=compiled.partitioner,
         platform=compiled.platform,
+        topology=compiled.topology,
     )
 
 

@@ -6,6 +6,13 @@ wrappers, in loop bodies, tuple-shaped or not. Bytes are what one device moves, 
 usual ring estimates (documented in the README): all-gather and all-to-all receive
 (n-1)/n of their result, reduce-scatter sends (n-1)/n of its input, all-reduce moves
 2(n-1)/n of its buffer, collective-permute sends its buffer once.
+
+Where a collective comes from: XLA's own label (`xla_op_path`, `xla_source`) changes
+across versions (JAX 0.12 labels a gather of an argument with the argument's name), so
+`op_path`/`source` attribute it to the op that needs it: an all-gather or all-to-all to
+the first real op that reads its result, a reduction to the op that produced the partial
+sums (XLA's label). The analysis then moves collectives caused by a finding to the
+finding's op.
 """
 
 from __future__ import annotations
@@ -18,15 +25,49 @@ KINDS = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective
          "ragged-all-to-all", "collective-broadcast")
 
 
+_PASS_THROUGH = {"get-tuple-element", "bitcast", "copy", "tuple", "reshape", "transpose",
+                 "all-gather-done", "all-to-all-done", "collective-permute-done", "async-done",
+                 "copy-start", "copy-done", "convert"}
+_READ_BY_CONSUMER = {"all-gather", "all-to-all", "ragged-all-to-all", "collective-broadcast"}
+
+
 def collectives_of(module: HloModule, mesh: MeshInfo) -> tuple[Collective, ...]:
     loop_bodies = _loop_bodies(module)
+    users = _users(module)
     found = []
     for instr in module.instructions():
         kind, is_async = _kind(instr.opcode)
         if kind is None:
             continue
-        found.append(_collective(instr, kind, is_async, mesh, instr.computation in loop_bodies))
+        consumer = _consumer(instr, users) if kind in _READ_BY_CONSUMER else None
+        found.append(_collective(instr, kind, is_async, mesh, instr.computation in loop_bodies, consumer))
     return tuple(found)
+
+
+def _users(module: HloModule) -> dict[str, list[Instruction]]:
+    users: dict[str, list[Instruction]] = {}
+    for instr in module.instructions():
+        for operand in instr.operands:
+            users.setdefault(operand.partition("#")[0], []).append(instr)
+    return users
+
+
+def _consumer(instr: Instruction, users) -> Instruction | None:
+    """The first op past layout-only ops that reads the collective's result."""
+    frontier, seen = [instr], {instr.name}
+    while frontier:
+        nxt = []
+        for node in frontier:
+            for user in users.get(node.name, ()):
+                if user.name in seen:
+                    continue
+                seen.add(user.name)
+                if user.opcode in _PASS_THROUGH or user.source is None:
+                    nxt.append(user)
+                else:
+                    return user
+        frontier = nxt
+    return None
 
 
 def _kind(opcode: str) -> tuple[str | None, bool]:
@@ -37,7 +78,7 @@ def _kind(opcode: str) -> tuple[str | None, bool]:
 
 
 def _collective(instr: Instruction, kind: str, is_async: bool, mesh: MeshInfo,
-                in_loop: bool) -> Collective:
+                in_loop: bool, consumer: Instruction | None) -> Collective:
     outputs = _outputs(instr, kind, is_async)
     result_bytes = sum(a.nbytes for a in outputs)
     if kind == "collective-permute":
@@ -49,7 +90,8 @@ def _collective(instr: Instruction, kind: str, is_async: bool, mesh: MeshInfo,
         group = len(groups[0]) if groups else mesh.num_devices
         if axes is None:
             axes = (f"?{group}",)
-    src = instr.source
+    own = instr.source
+    src = consumer.source if consumer is not None else own
     return Collective(
         id=instr.name,
         kind=kind,
@@ -57,11 +99,17 @@ def _collective(instr: Instruction, kind: str, is_async: bool, mesh: MeshInfo,
         bytes=_moved(kind, result_bytes, group),
         result_bytes=result_bytes,
         shape=", ".join(str(a) for a in outputs),
-        op_path=instr.op_name,
-        source=Source(src.file, src.line, src.function) if src else None,
+        op_path=consumer.op_name if consumer is not None else instr.op_name,
+        source=_source(src),
         is_async=is_async,
         in_loop=in_loop,
+        xla_op_path=instr.op_name,
+        xla_source=_source(own),
     )
+
+
+def _source(src) -> Source | None:
+    return Source(src.file, src.line, src.function) if src else None
 
 
 def _outputs(instr: Instruction, kind: str, is_async: bool) -> tuple[ArrayType, ...]:

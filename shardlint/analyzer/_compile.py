@@ -23,6 +23,7 @@ from jax.sharding import NamedSharding
 from .._errors import AnalysisError
 from ._devices import MeshInfo
 from ._jaxpr import grouped_matmul_sources
+from ._topology import check_libtpu, topology_of
 
 # Shardy exports its result to HLO as `after_shardy-xla`; GSPMD's pass is
 # `sharding-propagation` (run more than once; the last run is XLA's final answer).
@@ -39,6 +40,7 @@ class Compiled:
     partitioner: str
     platform: str
     grouped_matmul_sources: frozenset
+    topology: str | None = None      # TPU topology of compile-only devices (libtpu AOT)
 
 
 def mesh_of(args) -> Any:
@@ -65,6 +67,9 @@ def compile_step(fn: Callable, args: tuple, mesh=None, progress=None) -> Compile
     if info.num_devices > len(mesh.devices.flat) or any(
             d.platform != mesh.devices.flat[0].platform for d in mesh.devices.flat):
         raise AnalysisError(f"mesh {info.as_dict()} does not match its devices")
+    topology = topology_of(mesh.devices.flat)
+    if topology is not None:
+        check_libtpu()  # a mismatched libtpu fails inside the compiler with a RET_CHECK
     jitted = fn if hasattr(fn, "lower") else jax.jit(fn)
     dump_dir = tempfile.mkdtemp(prefix="shardlint-")
     try:
@@ -75,7 +80,8 @@ def compile_step(fn: Callable, args: tuple, mesh=None, progress=None) -> Compile
             except Exception as e:  # the user's code raised while tracing
                 raise AnalysisError(f"tracing the step failed: {type(e).__name__}: {e}") from e
             if progress:
-                progress(f"compiling for {info.num_devices} devices on mesh {info.as_dict()}")
+                progress(f"compiling for {info.num_devices} devices on mesh {info.as_dict()}"
+                         + (f" with the TPU compiler for {topology}" if topology else ""))
             try:
                 compiled = lowered.compile(compiler_options={
                     "xla_dump_to": dump_dir, "xla_dump_hlo_pass_re": _PROPAGATION_PASSES})
@@ -97,6 +103,7 @@ def compile_step(fn: Callable, args: tuple, mesh=None, progress=None) -> Compile
         partitioner="shardy" if jax.config.jax_use_shardy_partitioner else "gspmd",
         platform=mesh.devices.flat[0].platform,
         grouped_matmul_sources=grouped_matmul_sources(traced.jaxpr),
+        topology=topology,
     )
 
 

@@ -35,7 +35,6 @@ _GMM_TARGET_WORDS = ("gmm", "ragged", "grouped", "megablox", "tgmm")
 def find_lost_sharding(graph: nx.DiGraph, mesh: MeshInfo, collectives: tuple[Collective, ...]):
     """Returns (findings, requested reshardings, collectives with causes attributed)."""
     findings, requested = [], []
-    claimed: set[str] = set()
     raw = []
     for node, data in graph.nodes(data=True):
         op = _op_label(data)
@@ -49,31 +48,25 @@ def find_lost_sharding(graph: nx.DiGraph, mesh: MeshInfo, collectives: tuple[Col
             requested.append(Requested(op, lost, _source(data), data["op_path"]))
             continue
         raw.append((node, op, lost, operand, element))
-    # Metadata links first, so a shape match never steals a collective named for another op.
-    by_meta = {node: _linked_by_metadata(graph, node, collectives) for node, *_ in raw}
-    for ids in by_meta.values():
-        claimed |= ids
+    links = _link(graph, raw, mesh, collectives)
     for node, op, lost, operand, element in raw:
-        data = graph.nodes[node]
-        linked = by_meta[node] | _linked_by_shape(graph, operand, element, lost, mesh,
-                                                  collectives, claimed)
-        claimed |= linked
-        ids = tuple(sorted(linked))
+        linked = links.get(node, set())
         nbytes = sum(c.bytes for c in collectives if c.id in linked)
         feeds = feeds_grouped_matmul(graph, node)
-        findings.append(_finding(graph, node, op, lost, operand, element, feeds, ids, nbytes))
+        findings.append(_finding(graph, node, op, lost, operand, element, feeds,
+                                 tuple(sorted(linked)), nbytes))
     collectives = _attribute(collectives, findings)
     findings.sort(key=lambda f: (f.source.file if f.source else "", f.source.line if f.source else 0, f.op_path))
     return tuple(findings), tuple(requested), collectives
 
 
 def _attribute(collectives, findings) -> tuple[Collective, ...]:
-    """Gives a collective that XLA labelled only with an argument's name (JAX >= 0.11)
-    the op path and source line of the finding that caused it."""
+    """A collective a finding caused is attributed to the finding's op (XLA's own label
+    stays in `xla_op_path`/`xla_source`)."""
     cause = {cid: f for f in findings for cid in f.collectives}
     return tuple(
         dataclasses.replace(c, source=cause[c.id].source, op_path=cause[c.id].op_path)
-        if c.id in cause and c.source is None else c
+        if c.id in cause else c
         for c in collectives)
 
 
@@ -236,15 +229,55 @@ def _from_parameter(graph, node, depth: int = 6) -> bool:
     return False
 
 
-def _linked_by_metadata(graph, node, collectives) -> set[str]:
-    data = graph.nodes[node]
-    src = data["source"]
-    return {c.id for c in collectives
-            if c.kind == "all-gather" and c.op_path == data["op_path"] and src is not None
-            and c.source is not None and (c.source.file, c.source.line) == (src.file, src.line)}
+def _link(graph, raw, mesh: MeshInfo, collectives) -> dict[str, set[str]]:
+    """Which all-gathers each finding caused.
+
+    First by XLA's own label (the same op path and line as the finding's op); then, for
+    the rest, by what the collective is: an all-gather over a lost axis whose per-device
+    result is the operand with that axis gathered. When several findings fit, the one in
+    the same transformation (forward `jvp()` or backward `transpose(...)`) as XLA's label
+    wins, then the one on the line of the op that reads the gather.
+    """
+    links: dict[str, set[str]] = {node: set() for node, *_ in raw}
+    claimed: set[str] = set()
+    for node, *_ in raw:
+        data = graph.nodes[node]
+        src = data["source"]
+        for c in collectives:
+            if (c.kind == "all-gather" and src is not None and c.xla_source is not None
+                    and (c.xla_source.file, c.xla_source.line) == (src.file, src.line)
+                    and c.xla_op_path == data["op_path"]):
+                links[node].add(c.id)
+                claimed.add(c.id)
+    wanted = {node: _gathered_shape(graph, operand, element, lost, mesh)
+              for node, op, lost, operand, element in raw}
+    for c in collectives:
+        if c.kind != "all-gather" or c.id in claimed:
+            continue
+        fits = [node for node, op, lost, *_ in raw if set(c.axes) & set(lost) and c.shape == wanted[node]]
+        if not fits:
+            continue
+
+        def preference(node):
+            data = graph.nodes[node]
+            same_transform = _transform(data["op_path"]) == _transform(c.xla_op_path)
+            same_line = data["source"] is not None and c.source is not None and data["source"].line == c.source.line
+            return (not same_transform, not same_line)
+
+        links[min(fits, key=preference)].add(c.id)
+    return links
 
 
-def _linked_by_shape(graph, operand, element, lost, mesh: MeshInfo, collectives, claimed) -> set[str]:
+def _transform(op_path: str) -> str:
+    """`jit(step)/transpose(jvp())/mul` -> `jit(step)/transpose(jvp())`.
+
+    XLA joins the names of ops it merged with ';' (JAX 0.12); the first one decides."""
+    first = op_path.split(";", 1)[0]
+    return first.rsplit("/", 1)[0] if "/" in first else ""
+
+
+def _gathered_shape(graph, operand, element, lost, mesh: MeshInfo) -> str:
+    """The per-device operand with the lost axes gathered, e.g. `f32[2,64,16]`."""
     before = sharding_of(graph, operand, element)
     dims = dims_of(graph, operand, element)
     sizes = mesh.as_dict()
@@ -252,10 +285,7 @@ def _linked_by_shape(graph, operand, element, lost, mesh: MeshInfo, collectives,
         d // math.prod(sizes.get(a, 1) for a in axes if a not in lost)
         for d, axes in zip(dims, before.dims + ((),) * (len(dims) - len(before.dims))))
     dtype = graph.nodes[operand]["result"][element].dtype
-    want = f"{dtype}[{','.join(map(str, expected))}]"
-    return {c.id for c in collectives
-            if c.kind == "all-gather" and c.id not in claimed and set(c.axes) & set(lost)
-            and c.shape == want}
+    return f"{dtype}[{','.join(map(str, expected))}]"
 
 
 def _finding(graph, node, op, lost, operand, element, feeds, ids, nbytes) -> Finding:

@@ -34,10 +34,12 @@ class Collective:
     bytes: int                   # bytes moved per device (ring estimate, see README)
     result_bytes: int            # bytes of the per-device result
     shape: str                   # per-device result, e.g. "f32[2,64,16]"
-    op_path: str                 # JAX's op_name, e.g. "jit(step)/jvp()/reshape"
-    source: Source | None
+    op_path: str                 # JAX op path of the op it is attributed to
+    source: Source | None        # source line of that op
     is_async: bool = False
     in_loop: bool = False        # inside a while body (executes once per iteration)
+    xla_op_path: str = ""        # the op_name XLA itself attached (differs across versions)
+    xla_source: Source | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,7 +131,8 @@ class Analysis:
             mesh=dict(doc["mesh"]),
             memory=Memory(**doc["memory"]),
             collectives=tuple(
-                Collective(**{**c, "axes": tuple(c["axes"]), "source": src(c["source"])})
+                Collective(**{**c, "axes": tuple(c["axes"]), "source": src(c["source"]),
+                              "xla_source": src(c.get("xla_source"))})
                 for c in doc["collectives"]),
             findings=tuple(
                 Finding(**{**f, "axes": tuple(f["axes"]), "collectives": tuple(f["collectives"]),
