@@ -92,7 +92,7 @@ def analyze_pair(fn: Callable, args: tuple, mesh, *, rewrite: bool = True, verif
     before = analyze(fn, *args, progress=progress)
     if rewrite_fn is None:
         return before, None
-    fixed = rewrite_fn(fn, mesh, verify=verify, args=args, progress=progress)
+    fixed = rewrite_fn(fn, mesh, verify=verify, args=args, analysis=before, progress=progress)
     if progress:
         progress("analyzing the rewritten step")
     return before, analyze(fixed, *args, progress=progress)
