@@ -41,6 +41,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--sweep", metavar="AXIS=v1,v2,...",
                    help="also re-run the step with the mesh's AXIS at each size and chart "
                         "per-device memory against it, e.g. --sweep context=1,2,4,8")
+    p = sub.add_parser("demo", help="run the whole story on the built-in example: analyze, "
+                                    "rewrite, analyze again, write a report")
+    p.add_argument("--out", metavar="DIR", default="shardlint-demo",
+                   help="folder for report.html and the JSON analyses (default: ./shardlint-demo)")
     p = sub.add_parser("check", help="fail (exit 1) when the step gains an all-gather that "
                                      "the baseline lacks; --update records the baseline")
     _add_target(p)
@@ -115,7 +119,14 @@ def _check(args) -> int:
     return run_check(args, load=_load, progress=_progress)
 
 
-_COMMANDS = {"analyze": _analyze, "report": _report, "check": _check}
+def _demo(args) -> int:
+    from .examples.demo import run_demo
+
+    print(run_demo(args.out, progress=_progress))
+    return 0
+
+
+_COMMANDS = {"analyze": _analyze, "report": _report, "check": _check, "demo": _demo}
 
 
 def main(argv: list[str] | None = None) -> int:
