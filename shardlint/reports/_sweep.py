@@ -73,26 +73,16 @@ def prepare_devices(mesh_spec: str, sweep_spec: str | None) -> tuple[str, tuple[
     return sweep
 
 
-def rewriter() -> Callable:
-    """`shardlint.rewrites.rewrite`, or a clear error where this install lacks it."""
-    try:
-        from ..rewrites import rewrite
-    except ImportError as e:
-        raise UsageError("this shardlint has no shardlint.rewrites.rewrite to apply; "
-                         "pass --no-rewrite to report the step as it is") from e
-    return rewrite
-
-
 def analyze_pair(fn: Callable, args: tuple, mesh, *, rewrite: bool = True, verify: bool = True,
                  progress: Progress | None = None) -> tuple[Analysis, Analysis | None]:
     """Analyzes the step, then (with `rewrite`) the rewritten step on the same arguments."""
     from ..analyzer import analyze
+    from ..rewrites import rewrite as rewrite_step
 
-    rewrite_fn = rewriter() if rewrite else None  # fail before the first compile, not after
     before = analyze(fn, *args, progress=progress)
-    if rewrite_fn is None:
+    if not rewrite:
         return before, None
-    fixed = rewrite_fn(fn, mesh, verify=verify, args=args, analysis=before, progress=progress)
+    fixed = rewrite_step(fn, mesh, verify=verify, args=args, analysis=before, progress=progress)
     if progress:
         progress("analyzing the rewritten step")
     return before, analyze(fixed, *args, progress=progress)
