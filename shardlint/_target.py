@@ -134,3 +134,10 @@ def check_mesh(args, mesh) -> None:
         other = dict(zip(theirs.axis_names, theirs.devices.shape))
         raise UsageError(f"the arguments are sharded over mesh {other}, not the --mesh {mine}; "
                          f"build their NamedShardings from the mesh the target receives")
+
+
+def build_topology_mesh(axes: dict[str, int], topology: str):
+    """A mesh over the compile-only devices of a TPU topology (`--topology v5p:2x2x1`)."""
+    from .analyzer._topology import topology_mesh
+
+    return topology_mesh(axes, topology)

@@ -22,6 +22,17 @@ def _add_target(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mesh", required=True, help="mesh axes in order, e.g. data=2,context=4")
 
 
+def _add_topology(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--topology", metavar="NAME",
+                   help="compile with the real TPU compiler for this TPU topology, no TPU "
+                        "needed (libtpu AOT), e.g. v5p:2x2x1; memory is then per-chip HBM. "
+                        "Needs: pip install 'shardlint[tpu]'")
+    p.add_argument("--hbm-gib", type=float, metavar="N",
+                   help="flag the step (exit 1) when one device's arguments + outputs + temp "
+                        "exceed N GiB (default with --topology: the chip's HBM; v4 32, "
+                        "v5e 16, v5p 95, v6e 32)")
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="shardlint", description="Find where XLA loses the sharding of a JAX step.")
@@ -31,6 +42,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--json", metavar="FILE", help="write the analysis (shardlint.analysis/1)")
     p.add_argument("--rewrite", action="store_true",
                    help="analyze the step after putting the sharding-preserving MoE in place")
+    _add_topology(p)
     p = sub.add_parser("report", help="write one self-contained HTML report: findings, "
                                       "collectives and memory, before and after the rewrite")
     _add_target(p)
@@ -41,6 +53,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--sweep", metavar="AXIS=v1,v2,...",
                    help="also re-run the step with the mesh's AXIS at each size and chart "
                         "per-device memory against it, e.g. --sweep context=1,2,4,8")
+    _add_topology(p)
     p = sub.add_parser("demo", help="run the whole story on the built-in example: analyze, "
                                     "rewrite, analyze again, write a report")
     p.add_argument("--out", metavar="DIR", default="shardlint-demo",
@@ -66,13 +79,17 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _load(args):
-    from ._target import build_mesh, check_mesh, make_step, parse_mesh_spec, simulate_devices
+    from ._target import (build_mesh, build_topology_mesh, check_mesh, make_step,
+                          parse_mesh_spec, simulate_devices)
 
     axes = parse_mesh_spec(args.mesh)
     import math
 
-    simulate_devices(math.prod(axes.values()))
-    mesh = build_mesh(axes)
+    if getattr(args, "topology", None):
+        mesh = build_topology_mesh(axes, args.topology)
+    else:
+        simulate_devices(math.prod(axes.values()))
+        mesh = build_mesh(axes)
     _progress(f"tracing {args.target}")
     fn, step_args = make_step(args.target, mesh)
     check_mesh(step_args, mesh)
@@ -81,19 +98,29 @@ def _load(args):
 
 def _analyze(args) -> int:
     from .analyzer import analyze
+    from .analyzer._topology import fit_of
     from .reports import format_text, write_json
 
     mesh, fn, step_args = _load(args)
     if args.rewrite:
         from .rewrites import rewrite
 
-        fn = rewrite(fn, mesh, verify=True, args=step_args, progress=_progress)
+        fn = rewrite(fn, mesh, verify=_can_run(args, True), args=step_args, progress=_progress)
     analysis = analyze(fn, *step_args, progress=_progress)
-    print(format_text(analysis, title=args.target + (" (rewritten)" if args.rewrite else "")))
+    fit = fit_of(analysis, args.hbm_gib)
+    print(format_text(analysis, title=args.target + (" (rewritten)" if args.rewrite else ""),
+                      fit=fit))
     if args.json:
         write_json(analysis, args.json)
         _progress(f"wrote {args.json}")
-    return 1 if analysis.findings else 0
+    return 1 if analysis.findings or (fit and not fit.fits) else 0
+
+
+def _can_run(args, rewriting: bool) -> bool:
+    """TPU topology devices only compile: a rewrite cannot be checked by running it."""
+    if args.topology and rewriting:
+        _progress("not verifying the rewrite's numbers: --topology devices cannot run")
+    return not args.topology
 
 
 def _report(args) -> int:
@@ -102,15 +129,39 @@ def _report(args) -> int:
     sweep = prepare_devices(args.mesh, args.sweep)  # before _load: the sweep may need more devices
     mesh, fn, step_args = _load(args)
     rewrite = not args.no_rewrite
-    before, after = analyze_pair(fn, step_args, mesh, rewrite=rewrite, progress=_progress)
+    before, after = analyze_pair(fn, step_args, mesh, rewrite=rewrite,
+                                 verify=_can_run(args, rewrite), progress=_progress)
     points = None
     if sweep:
         axes = dict(zip(mesh.axis_names, mesh.devices.shape))
         points = run_sweep(args.target, axes, sweep, rewrite=rewrite, progress=_progress,
-                           known={axes[sweep[0]]: (before, after)})
+                           known={axes[sweep[0]]: (before, after)},
+                           build_mesh=_topology_meshes(args))
     write_html(before, after, path=args.out, sweep=points, title=args.target)
     _progress(f"wrote {args.out}")
-    return 1 if (after or before).findings else 0
+    fits = _report_fit(args, before, after)
+    return 1 if (after or before).findings or not fits else 0
+
+
+def _topology_meshes(args):
+    """With --topology, sweep points are meshes over the same TPU topology."""
+    if not args.topology:
+        return None
+    from ._target import build_topology_mesh
+
+    return lambda axes: build_topology_mesh(axes, args.topology)
+
+
+def _report_fit(args, before, after) -> bool:
+    """Prints the memory fit of each side; False when the step as reported would not fit."""
+    from .analyzer._topology import fit_of
+
+    for label, analysis in (("step", before), ("rewritten step", after)):
+        fit = fit_of(analysis, args.hbm_gib) if analysis is not None else None
+        if fit is not None:
+            _progress(f"{label}: {fit.line()}")
+    final = fit_of(after or before, args.hbm_gib)
+    return final is None or final.fits
 
 
 def _check(args) -> int:

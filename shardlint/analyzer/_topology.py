@@ -10,9 +10,10 @@ Three things make that one flag instead of an afternoon, and they live here:
 
 - libtpu must be the build the installed jax was released with. jax's own `tpu` extra
   pins it (jax 0.10.2: `libtpu==0.0.42.*`); a newer libtpu loads fine and then fails
-  inside the compiler with an internal RET_CHECK. So the pin is read from jax's metadata
-  and checked before libtpu is loaded, and a mismatch is a `LibtpuError` that names both
-  versions and the install command.
+  inside the compiler with an internal RET_CHECK (libtpu 0.0.52 under jax 0.10.2). So
+  the pin is read from jax's metadata and checked before libtpu is loaded (and again
+  before every TPU compile), and a mismatch is a `LibtpuError` that names both versions
+  and the install command.
 - libtpu expects a Cloud TPU VM: with no metadata server and no TPU_* variables it logs
   errors about the accelerator type and worker hostnames (measured). The variables are
   set here, before libtpu loads, to describe a single host that owns the topology; a value
@@ -181,7 +182,6 @@ def tpu_environment(name: str) -> dict[str, str]:
         "TPU_ACCELERATOR_TYPE": accelerator_type(name),
         "TPU_WORKER_HOSTNAMES": "localhost",  # this host is the only worker
         "TPU_WORKER_ID": "0",
-        "GRPC_VERBOSITY": "ERROR",
     }
     set_here = {k: v for k, v in wanted.items() if k not in os.environ}
     os.environ.update(set_here)
@@ -192,9 +192,9 @@ def topology_devices(name: str) -> list:
     """Compile-only devices of a TPU topology, one per chip, in libtpu's order."""
     chip, dims = parse_topology(name)
     name = f"{chip}:{'x'.join(map(str, dims))}"
+    check_libtpu()  # before libtpu loads; cheap enough to repeat for cached topologies
     if name in _DEVICES:
         return _DEVICES[name]
-    check_libtpu()
     tpu_environment(name)
     _keep_jax_on_cpu()
     from jax.experimental import topologies

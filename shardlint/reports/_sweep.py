@@ -90,9 +90,17 @@ def analyze_pair(fn: Callable, args: tuple, mesh, *, rewrite: bool = True, verif
 
 def run_sweep(target: str, mesh: dict[str, int], sweep: tuple[str, tuple[int, ...]], *,
               rewrite: bool = True, progress: Progress | None = None,
-              known: dict[int, tuple[Analysis, Analysis | None]] | None = None) -> dict[str, Any]:
-    """Re-runs TARGET at each sweep value; `known` holds points already analyzed (by value)."""
-    from .._target import build_mesh, check_mesh, make_step
+              known: dict[int, tuple[Analysis, Analysis | None]] | None = None,
+              build_mesh: Callable[[dict[str, int]], Any] | None = None) -> dict[str, Any]:
+    """Re-runs TARGET at each sweep value; `known` holds points already analyzed (by value).
+
+    `build_mesh(axes)` makes each point's mesh (default: simulated CPU devices; the CLI
+    passes TPU topology meshes for `--topology`).
+    """
+    from .._target import build_mesh as cpu_mesh
+    from .._target import check_mesh, make_step
+
+    build_mesh = build_mesh or cpu_mesh
 
     axis, values = sweep
     known = known or {}

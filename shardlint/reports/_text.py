@@ -18,10 +18,14 @@ def human_bytes(n: float | None) -> str:
     return f"{n:.2f} TiB"
 
 
-def format_text(analysis: Analysis, title: str = "") -> str:
+def format_text(analysis: Analysis, title: str = "", fit=None) -> str:
+    """`fit`: the memory check against HBM (`analyzer._topology.fit_of`), printed last."""
     mesh = " x ".join(f"{k}={v}" for k, v in analysis.mesh.items())
+    compiler = analysis.platform
+    if analysis.topology:
+        compiler += f" {analysis.topology}, libtpu {analysis.versions.get('libtpu', '?')}"
     lines = [f"shardlint: {title + ' ' if title else ''}on mesh {mesh} "
-             f"({analysis.platform}, {analysis.partitioner}, jax {analysis.versions.get('jax', '?')})", ""]
+             f"({compiler}, {analysis.partitioner}, jax {analysis.versions.get('jax', '?')})", ""]
     if analysis.findings:
         lines.append(f"{len(analysis.findings)} finding(s): sharding lost")
         for i, f in enumerate(analysis.findings, 1):
@@ -59,6 +63,8 @@ def format_text(analysis: Analysis, title: str = "") -> str:
                  f"temp {human_bytes(m.temp_bytes)}"
                  + (f", peak {human_bytes(m.peak_bytes)}" if m.peak_bytes else "")
                  + (f"; {m.flops:.3g} FLOPs" if m.flops else ""))
+    if fit is not None:
+        lines.append(fit.line())
     return "\n".join(lines)
 
 

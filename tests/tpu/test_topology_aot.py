@@ -1,0 +1,162 @@
+"""The real TPU compiler on a CPU-only machine: libtpu compiles the example MoE step for a
+`v5p:2x2x1` topology, and the analysis reads its output as it reads XLA:CPU's.
+
+At tiny shapes the TPU compiler still shows the story of DESIGN.md (batch 2: with one
+batch row the flatten keeps the sharding and the sort over tokens loses it instead): the reference step
+(flatten outside shard_map) keeps a flat temp memory as the context degree N grows and
+all-gathers the sequence, the per-shard step follows 1/N with no all-gather. Needs libtpu
+(`pip install 'shardlint[tpu]'`); run with `python -m pytest -q -m tpu`.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from shardlint.analyzer import analyze, parse_hlo
+from shardlint.analyzer._topology import libtpu_version, topology_devices, topology_mesh, topology_of
+from shardlint.cli import main
+from shardlint.examples.steps import Sizes, make_per_shard_step, make_step
+
+pytestmark = pytest.mark.tpu
+
+TOPOLOGY = "v5p:2x2x1"
+SIZES = Sizes(batch=2, seq=512, emb=128, mlp=128, experts=4, top_k=2)
+CONTEXTS = (1, 2, 4)
+
+
+@pytest.fixture(scope="module")
+def analyses():
+    """{(variant, N): Analysis} for the reference and per-shard steps, compiled once."""
+    out = {}
+    for n in CONTEXTS:
+        mesh = topology_mesh({"data": 1, "context": n}, TOPOLOGY)
+        for name, make in (("reference", make_step), ("per_shard", make_per_shard_step)):
+            fn, args = make(mesh, SIZES)
+            out[name, n] = analyze(fn, *args)
+    return out
+
+
+def test_topology_devices_are_compile_only_tpu_chips():
+    devices = topology_devices(TOPOLOGY)
+    assert len(devices) == 4 and {d.platform for d in devices} == {"tpu"}
+    assert devices[0].device_kind == "TPU v5"
+    assert topology_of(devices[:2]) == TOPOLOGY  # a sub-mesh still names its topology
+    # v4 lists two TensorCores per chip; meshes get one device per chip (megacore).
+    assert len(topology_devices("v4:2x2x1")) == 4
+    # Smaller than libtpu's default 2x2x1 host: the bounds are passed along.
+    assert len(topology_devices("v5p:1x1x1")) == 1
+
+
+def test_every_analysis_names_the_tpu_compiler(analyses):
+    for a in analyses.values():
+        assert a.platform == "tpu" and a.topology == TOPOLOGY
+        assert a.versions["libtpu"] == libtpu_version()
+        assert a.memory.temp_bytes > 0 and a.memory.argument_bytes > 0
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_reference_loses_context_and_all_gathers_the_sequence(analyses, n):
+    a = analyses["reference", n]
+    [finding] = a.findings
+    assert finding.op == "reshape" and finding.axes == ("context",) and finding.feeds_grouped_matmul
+    [gather] = a.all_gathers()
+    assert gather.axes == ("context",) and gather.id in finding.collectives
+    # The whole sequence lands on every chip: 2 x 512 x 128 f32, (n-1)/n of it received.
+    assert gather.result_bytes == SIZES.batch * SIZES.seq * SIZES.emb * 4
+    assert gather.bytes == gather.result_bytes * (n - 1) // n
+
+
+def test_per_shard_step_keeps_the_sequence_sharded(analyses):
+    for n in CONTEXTS:
+        a = analyses["per_shard", n]
+        assert not a.findings and not a.all_gathers()
+
+
+def test_memory_is_flat_for_the_reference_and_one_over_n_per_shard(analyses):
+    temp = {k: a.memory.temp_bytes for k, a in analyses.items()}
+    assert temp["reference", 1] == temp["per_shard", 1]  # same program without a mesh axis
+    for n in (2, 4):
+        assert temp["reference", n] >= 0.9 * temp["reference", 1]  # flat: nothing saved
+    assert temp["per_shard", 2] < 0.8 * temp["per_shard", 1]
+    assert temp["per_shard", 4] <= 0.4 * temp["per_shard", 1]  # ~1/4 (measured 0.30)
+
+
+def test_tpu_text_parses_whole(analyses):
+    """Tiled layouts (`{1,0:T(8,128)}`), memory spaces (`S(1)`) and SparseCore async calls."""
+    mesh = topology_mesh({"data": 1, "context": 4}, TOPOLOGY)
+    fn, args = make_step(mesh, SIZES)
+    import jax
+
+    with jax.set_mesh(mesh):
+        text = jax.jit(fn).lower(*args).compile().as_text()
+    assert ":T(8,128)" in text
+    module = parse_hlo(text)
+    lines = [ln for ln in text.splitlines()
+             if " = " in ln and ln.strip().startswith(("%", "ROOT %"))]
+    assert sum(1 for _ in module.instructions()) == len(lines)
+    shapes = {i.name: i.result for i in module.instructions()}
+    gather = next(i for i in module.instructions() if i.opcode == "all-gather")
+    assert [str(a) for a in shapes[gather.name]] == ["f32[2,512,128]"]
+
+
+def test_cli_header_names_topology_and_fit(capsys, tmp_path):
+    out = tmp_path / "a.json"
+    code = main(["analyze", "shardlint.examples.steps:make_step", "--topology", TOPOLOGY,
+                 "--mesh", "data=1,context=4", "--json", str(out)])
+    text = capsys.readouterr().out
+    assert code == 1  # the finding
+    header = text.splitlines()[0]
+    assert f"(tpu {TOPOLOGY}, libtpu {libtpu_version()}," in header
+    assert "fits: needs" in text and "(v5p HBM per chip)" in text
+    doc = json.loads(out.read_text())
+    assert doc["platform"] == "tpu" and doc["topology"] == TOPOLOGY
+    assert doc["versions"]["libtpu"] == libtpu_version()
+
+
+def test_cli_would_not_fit_exits_1_with_the_numbers(capsys):
+    argv = ["analyze", "shardlint.examples.steps:make_per_shard_step", "--topology", TOPOLOGY,
+            "--mesh", "data=1,context=4"]
+    assert main(argv) == 0  # clean and fits in 95 GiB
+    capsys.readouterr()
+    assert main(argv + ["--hbm-gib", "0.0001"]) == 1
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert line.startswith("would not fit: needs ") and "> 104.86 KiB (--hbm-gib 0.0001)" in line
+    assert "arguments " in line and "temp " in line
+
+
+def test_cli_mesh_larger_than_topology_exit_2(capsys):
+    code = main(["analyze", "shardlint.examples.steps:make_step", "--topology", TOPOLOGY,
+                 "--mesh", "data=2,context=4"])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert code == 2 and "needs 8 chips; topology v5p:2x2x1 has 4" in err
+
+
+def test_report_sweeps_the_context_degree_on_the_topology(tmp_path, capsys):
+    import re
+
+    out = tmp_path / "report.html"
+    code = main(["report", "shardlint.examples.steps:make_step", "--topology", TOPOLOGY,
+                 "--mesh", "data=1,context=4", "--sweep", "context=1,2,4", "--out", str(out)])
+    err = capsys.readouterr().err
+    assert code == 0  # the rewritten step is clean and fits
+    assert "step: fits: needs" in err and "rewritten step: fits: needs" in err
+    doc = json.loads(re.search(r'<script type="application/json" id="shardlint-analysis">'
+                               r"(.*?)</script>", out.read_text(), re.S).group(1))
+    assert doc["before"]["platform"] == "tpu" and doc["before"]["topology"] == TOPOLOGY
+    points = doc["sweep"]["points"]
+    assert [p["value"] for p in points] == [1, 2, 4]
+    assert [p["before"]["all_gathers"] for p in points] == [0, 1, 1]
+    assert [p["after"]["all_gathers"] for p in points] == [0, 0, 0]
+
+
+def test_sweep_points_are_compiled_for_the_topology():
+    from shardlint._target import build_topology_mesh
+    from shardlint.reports import run_sweep
+
+    sweep = run_sweep("shardlint.examples.steps:make_per_shard_step", {"data": 1, "context": 2},
+                      ("context", (1, 2)), rewrite=False,
+                      build_mesh=lambda axes: build_topology_mesh(axes, TOPOLOGY))
+    for point in sweep["points"]:
+        assert point["before"].platform == "tpu" and point["before"].topology == TOPOLOGY
