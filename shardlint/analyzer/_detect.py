@@ -49,6 +49,8 @@ def find_lost_sharding(graph: nx.DiGraph, mesh: MeshInfo, collectives: tuple[Col
             continue
         raw.append((node, op, lost, operand, element))
     links = _link(graph, raw, mesh, collectives)
+    linked = set().union(*links.values()) if links else set()
+    requested += _requested_gathers(graph, collectives, linked, requested)
     for node, op, lost, operand, element in raw:
         linked = links.get(node, set())
         nbytes = sum(c.bytes for c in collectives if c.id in linked)
@@ -229,6 +231,29 @@ def _from_parameter(graph, node, depth: int = 6) -> bool:
     return False
 
 
+def _requested_gathers(graph, collectives, linked, requested) -> list[Requested]:
+    """All-gathers XLA placed for a sharding constraint (or next to it, e.g. gathering
+    the input of the K/V projections once rather than K and V): asked for, not lost."""
+    seen = {(r.source.file, r.source.line) for r in requested if r.source}
+    found = []
+    for node, data in graph.nodes(data=True):
+        if _op_label(data) != "sharding_constraint" or data["source"] is None:
+            continue
+        where = (data["source"].file, data["source"].line)
+        # Gathers labelled at an op already listed as requested are explained there.
+        lines = nearby_lines(graph, node, radius=1) - seen
+        axes = tuple(dict.fromkeys(a for c in collectives if c.kind == "all-gather" and c.id not in linked
+                                   and any(s is not None and (s.file, s.line) in lines
+                                           for s in (c.xla_source, c.source))
+                                   and not any(s is not None and (s.file, s.line) in seen
+                                               for s in (c.xla_source, c.source))
+                                   for a in c.axes))
+        if axes and where not in seen:
+            seen.add(where)
+            found.append(Requested("sharding_constraint", axes, _source(data), data["op_path"]))
+    return found
+
+
 def _link(graph, raw, mesh: MeshInfo, collectives) -> dict[str, set[str]]:
     """Which all-gathers each finding caused.
 
@@ -251,10 +276,12 @@ def _link(graph, raw, mesh: MeshInfo, collectives) -> dict[str, set[str]]:
                 claimed.add(c.id)
     wanted = {node: _gathered_shape(graph, operand, element, lost, mesh)
               for node, op, lost, operand, element in raw}
+    near = {node: nearby_lines(graph, node) for node, *_ in raw}
     for c in collectives:
         if c.kind != "all-gather" or c.id in claimed:
             continue
-        fits = [node for node, op, lost, *_ in raw if set(c.axes) & set(lost) and c.shape == wanted[node]]
+        fits = [node for node, op, lost, *_ in raw
+                if set(c.axes) & set(lost) and c.shape == wanted[node] and _labelled_near(c, near[node])]
         if not fits:
             continue
 
@@ -266,6 +293,19 @@ def _link(graph, raw, mesh: MeshInfo, collectives) -> dict[str, set[str]]:
 
         links[min(fits, key=preference)].add(c.id)
     return links
+
+
+def nearby_lines(graph, node, radius: int = 2) -> set[tuple[str, int]]:
+    """Source lines of the ops within `radius` edges of `node` (producers and users)."""
+    around = nx.ego_graph(graph, node, radius=radius, undirected=True)
+    return {(s.file, s.line) for s in (graph.nodes[n]["source"] for n in around) if s is not None}
+
+
+def _labelled_near(c: Collective, lines: set[tuple[str, int]]) -> bool:
+    """XLA's label has no source (an argument's name), or it or the collective's reader
+    sits next to the op: an all-gather labelled elsewhere belongs to someone else."""
+    return c.xla_source is None or any(
+        s is not None and (s.file, s.line) in lines for s in (c.xla_source, c.source))
 
 
 def _transform(op_path: str) -> str:

@@ -70,7 +70,7 @@ def _emit_group(grp: Group, plan: Plan, mesh, env, stacked, stacked_vars) -> Non
             local[plan.local_of[v]] = value[0] if v in stacked_vars else value
         for i in grp.eqns:
             eqn = l_eqns[i]
-            local.update(zip(eqn.outvars, bind_eqn(eqn, [read(local, a) for a in eqn.invars])))
+            local.update(zip(eqn.outvars, bind_eqn(eqn, [read(local, a) for a in eqn.invars], manual=True)))
         return (tuple(local[plan.local_of[v]] for v in sharded_out)
                 + tuple(jax.lax.psum(local[plan.local_of[v]], token_axes) for v in summed_out)
                 + tuple(local[plan.local_of[v]][None] for v in stacked_out))

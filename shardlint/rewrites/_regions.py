@@ -86,25 +86,33 @@ def plan_regions(global_jaxpr, local_jaxpr, seq_jaxpr, axes: TokenAxes) -> Plan:
         return Plan(global_jaxpr, local_jaxpr, axes, [], specs, local_of)
 
     consumers = _consumers(g_eqns)
-    reaches = _reaches_token_eqn(g_eqns, consumers, seeds)
-    region: set[int] = set()
     producer: dict = {}
     for i, e in enumerate(g_eqns):
         for v in e.outvars:
             producer[v] = i
-    for i, e in enumerate(g_eqns):
-        if i in seeds:
-            region.add(i)
-            continue
-        for v in _vars(e.invars):
-            p = producer.get(v)
-            if p is None or p not in region:
+    # Grow to a fixpoint: an equation joins when it reads tokens from the region, or reads
+    # a per-shard value (group sizes, offsets) and feeds back into the region.
+    region: set[int] = set(seeds)
+    changed = True
+    while changed:
+        changed = False
+        reaches = _reaches(g_eqns, consumers, region)
+        for i, e in enumerate(g_eqns):
+            if i in region:
                 continue
-            carries_tokens = v in scaled and p not in exits
-            if carries_tokens or (v not in scaled and i in reaches):
-                region.add(i)
-                break
+            for v in _vars(e.invars):
+                p = producer.get(v)
+                if p is None or p not in region:
+                    continue
+                carries_tokens = v in scaled and p not in exits
+                if carries_tokens or (v not in scaled and i in reaches):
+                    region.add(i)
+                    changed = True
+                    break
     _pull_in_constants(g_eqns, region, scaled, producer)
+    region = _routed_only(g_eqns, region, producer)
+    if not region:
+        return Plan(global_jaxpr, local_jaxpr, axes, [], specs, local_of)
     _refuse_token_coupling(g_eqns, region, specs)
     for i in sorted(region):
         for v in g_eqns[i].outvars:
@@ -142,7 +150,7 @@ def plan_regions(global_jaxpr, local_jaxpr, seq_jaxpr, axes: TokenAxes) -> Plan:
                             "computing it per shard would change its order")
                     continue
                 if outside:
-                    _require_linear(v, g_eqns, producer, mine, scaled)
+                    _require_linear(v, g_eqns, l_eqns, producer, mine, scaled)
                     grp.summed.add(v)
                 if elsewhere:
                     grp.stacked.add(v)
@@ -219,31 +227,43 @@ def _consumers(eqns) -> dict:
     return users
 
 
-def _reaches_token_eqn(eqns, consumers, seeds) -> set[int]:
-    """Equations with a dataflow path to a seed's descendants (computed backwards)."""
+def _reaches(eqns, consumers, targets: set[int]) -> set[int]:
+    """Equations with a dataflow path into `targets` (computed backwards)."""
     reaches: set[int] = set()
     for i in range(len(eqns) - 1, -1, -1):
         for v in eqns[i].outvars:
-            if any(c in seeds or c in reaches for c in consumers.get(v, ())):
+            if any(c in targets or c in reaches for c in consumers.get(v, ())):
                 reaches.add(i)
                 break
     return reaches
 
 
 def _pull_in_constants(eqns, region, scaled, producer) -> None:
-    """Token-sized values built from nothing (iota, zeros) join the region at local size."""
-    changed = True
-    while changed:
-        changed = False
-        for i in sorted(region):
-            for v in _vars(eqns[i].invars):
-                p = producer.get(v)
-                if p is None or p in region or v not in scaled:
-                    continue
-                if all(producer.get(u) in region for u in _vars(eqns[p].invars) if u in scaled) and \
-                        not any(u in scaled and producer.get(u) is None for u in _vars(eqns[p].invars)):
-                    region.add(p)
-                    changed = True
+    """Token-sized values built from nothing (iota, zeros, `arange(T) // K`) join the
+    region with everything they are built from, so they are rebuilt at local size."""
+    memo: dict[int, bool] = {}
+
+    def buildable(p: int) -> bool:
+        if p not in memo:
+            memo[p] = False  # cycles cannot occur in a jaxpr; this guards the recursion
+            memo[p] = all(u not in scaled or producer.get(u) in region
+                          or (producer.get(u) is not None and buildable(producer[u]))
+                          for u in _vars(eqns[p].invars))
+        return memo[p]
+
+    def pull(p: int) -> None:
+        if p in region:
+            return
+        region.add(p)
+        for u in _vars(eqns[p].invars):
+            if u in scaled and producer.get(u) is not None:
+                pull(producer[u])
+
+    for i in sorted(region):
+        for v in _vars(eqns[i].invars):
+            p = producer.get(v)
+            if p is not None and p not in region and v in scaled and buildable(p):
+                pull(p)
 
 
 _CUMULATIVE = {"cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp"}
@@ -306,8 +326,8 @@ def _convex_groups(eqns, region, producer) -> list[Group]:
     return groups
 
 
-def _require_linear(var, eqns, producer, mine, scaled) -> None:
-    if _is_linear(var, eqns, producer, mine, scaled, depth=0):
+def _require_linear(var, eqns, l_eqns, producer, mine, scaled) -> None:
+    if _is_linear(var, eqns, l_eqns, producer, mine, scaled, depth=0):
         return
     p = producer.get(var)
     name = eqns[p].primitive.name if p is not None else "?"
@@ -318,11 +338,13 @@ def _require_linear(var, eqns, producer, mine, scaled) -> None:
         "the layer or per group, then rewrite")
 
 
-def _is_linear(var, eqns, producer, mine, scaled, depth) -> bool:
+def _is_linear(var, eqns, l_eqns, producer, mine, scaled, depth) -> bool:
     p = producer.get(var)
     if p is None or p not in mine or depth > 16:
         return False
     eqn = eqns[p]
+    if _literals(eqn) != _literals(l_eqns[p]):
+        return False  # a constant from the token count (a mean's 1/T): per shard it is wrong
     name = eqn.primitive.name
     ins = _vars(eqn.invars)
     region_ins = [v for v in ins if producer.get(v) in mine]
@@ -330,9 +352,49 @@ def _is_linear(var, eqns, producer, mine, scaled, depth) -> bool:
         return True
     if name in _LINEAR_SUMS:
         return len(region_ins) == len(ins) and all(
-            _is_linear(v, eqns, producer, mine, scaled, depth + 1) for v in region_ins)
+            _is_linear(v, eqns, l_eqns, producer, mine, scaled, depth + 1) for v in region_ins)
     if name in _LINEAR_UNARY and len(region_ins) == 1:
-        return _is_linear(region_ins[0], eqns, producer, mine, scaled, depth + 1)
+        return _is_linear(region_ins[0], eqns, l_eqns, producer, mine, scaled, depth + 1)
     if name == "div" and region_ins == ins[:1]:
-        return _is_linear(region_ins[0], eqns, producer, mine, scaled, depth + 1)
+        return _is_linear(region_ins[0], eqns, l_eqns, producer, mine, scaled, depth + 1)
+    return False
+
+
+def _literals(eqn) -> list:
+    return [repr(getattr(a, "val", None)) for a in eqn.invars if hasattr(a, "val")]
+
+
+def _routed_only(eqns, region: set[int], producer) -> set[int]:
+    """The connected parts of the region that hold a grouped matmul (a routed-expert
+    region); other token flattens (a cross-entropy over flattened tokens) stay as they are."""
+    from ..analyzer._jaxpr import GROUPED_MATMUL_PRIMITIVES
+
+    parent = {i: i for i in region}
+
+    def find(i):
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    for i in region:
+        for v in _vars(eqns[i].invars):
+            p = producer.get(v)
+            if p in region:
+                parent[find(i)] = find(p)
+    routed = {find(i) for i in region if eqns[i].primitive.name in GROUPED_MATMUL_PRIMITIVES
+              or _expert_batched(eqns[i], producer)}
+    return {i for i in region if find(i) in routed}
+
+
+def _expert_batched(eqn, producer) -> bool:
+    """A dispatch einsum: dot_general batched over the leading (expert) dim of a rank-3
+    weight that is an argument of the step."""
+    if eqn.primitive.name != "dot_general":
+        return False
+    (_, _), (lhs_batch, rhs_batch) = eqn.params["dimension_numbers"]
+    for operand, batch in zip(eqn.invars, (lhs_batch, rhs_batch)):
+        if (not hasattr(operand, "val") and producer.get(operand) is None
+                and len(getattr(operand.aval, "shape", ())) == 3 and 0 in tuple(batch)):
+            return True
     return False

@@ -1,5 +1,12 @@
-"""Replay one jaxpr equation as JAX itself does (`jax.core.eval_jaxpr`), keeping its source
-location and name stack so the rewritten step's HLO still points at the user's lines.
+"""Replay jaxpr equations as JAX itself does (`jax.core.eval_jaxpr`), keeping each one's
+source location and name stack so the rewritten step's HLO still points at the user's
+lines.
+
+Inside `shard_map`'s manual axes three things must change, all because the step was
+traced on the global (Auto) mesh: output-sharding parameters are dropped, sharding
+annotations (`reshard`, `sharding_constraint`, `mesh_cast`) pass their operand through,
+and calls to inner jaxprs (`jit`, custom-derivative calls, remat) are inlined, since their
+recorded types name the Auto mesh and would clash with the manual operands.
 
 This is the one place in the rewrite that uses JAX's private `core`/`source_info_util`;
 its calls are the same in JAX 0.10 through 0.12.
@@ -9,13 +16,44 @@ from __future__ import annotations
 
 from jax._src import core, source_info_util
 
+_SHARDING_PARAMS = ("sharding", "out_sharding")
+_INNER_JAXPR_PARAMS = ("jaxpr", "call_jaxpr", "fun_jaxpr")
+_ANNOTATIONS = ("reshard", "sharding_constraint", "mesh_cast")
 
-def bind_eqn(eqn, invals: list) -> list:
-    params = eqn.primitive.get_bind_params(eqn.params)
+
+def bind_eqn(eqn, invals: list, *, manual: bool = False) -> list:
     name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
     with source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack), eqn.ctx.manager:
+        if manual and eqn.primitive.name in _ANNOTATIONS:
+            return list(invals)
+        inner = _inner_jaxpr(eqn) if manual else None
+        if inner is not None:
+            return replay(inner, invals, manual=True)
+        params = eqn.primitive.get_bind_params(eqn.params)
+        if manual:
+            params = {k: (None if k in _SHARDING_PARAMS else v) for k, v in params.items()}
         out = eqn.primitive.bind(*invals, **params)
     return list(out) if eqn.primitive.multiple_results else [out]
+
+
+def replay(closed_or_open, invals: list, *, manual: bool) -> list:
+    jaxpr = getattr(closed_or_open, "jaxpr", closed_or_open)
+    consts = list(getattr(closed_or_open, "consts", ()))
+    env: dict = dict(zip(jaxpr.constvars, consts))
+    env.update(zip(jaxpr.invars, invals))
+    for eqn in jaxpr.eqns:
+        env.update(zip(eqn.outvars, bind_eqn(eqn, [read(env, a) for a in eqn.invars], manual=manual)))
+    return [read(env, v) for v in jaxpr.outvars]
+
+
+def _inner_jaxpr(eqn):
+    for key in _INNER_JAXPR_PARAMS:
+        inner = eqn.params.get(key)
+        if inner is not None and hasattr(getattr(inner, "jaxpr", inner), "eqns"):
+            jaxpr = getattr(inner, "jaxpr", inner)
+            if len(jaxpr.invars) == len(eqn.invars):
+                return inner
+    return None
 
 
 def read(env: dict, atom):

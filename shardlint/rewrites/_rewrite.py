@@ -36,14 +36,20 @@ class RewrittenStep:
         self.notes: list[str] = []
         self._cache: dict = {}
 
+    # The step was traced without a mesh in context, and its equations are replayed the
+    # same way: an ambient mesh (the analyzer sets one) would type the replayed values
+    # with the Auto mesh and clash with shard_map's manual axes.
     def __call__(self, *args):
-        return self._prepare(args)(*args)
+        with _no_ambient_mesh():
+            return self._prepare(args)(*args)
 
     def trace(self, *args):
-        return jax.jit(self._prepare(args)).trace(*args)
+        with _no_ambient_mesh():
+            return jax.jit(self._prepare(args)).trace(*args)
 
     def lower(self, *args):
-        return jax.jit(self._prepare(args)).lower(*args)
+        with _no_ambient_mesh():
+            return jax.jit(self._prepare(args)).lower(*args)
 
     @property
     def __name__(self):
@@ -229,6 +235,14 @@ def _random_like(args):
     return jax.tree_util.tree_unflatten(tree, values)
 
 
-def _mesh_context(mesh):
+def _no_ambient_mesh():
+    """Clears a mesh set with `jax.set_mesh` for the duration (only possible outside jit;
+    inside a caller's jit the mesh, if any, is the caller's to keep)."""
+    get = getattr(jax.sharding, "get_abstract_mesh", None)
     set_mesh = getattr(jax, "set_mesh", None)
-    return set_mesh(mesh) if set_mesh is not None else contextlib.nullcontext()
+    if get is None or set_mesh is None or get().empty:
+        return contextlib.nullcontext()
+    try:
+        return set_mesh(None)
+    except ValueError:
+        return contextlib.nullcontext()

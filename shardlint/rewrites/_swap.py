@@ -38,8 +38,11 @@ def uses_routed_moe(step: Callable, args) -> list:
         seen.append(layer.cfg)
         return original(layer, params, x_BSD)
 
+    step = _unwrapped(step)
     with _serving_routed_moe(record) as original:
-        jax.eval_shape(_unwrapped(step), *args)
+        # A fresh function: eval_shape must trace again, not reuse a cached trace made
+        # before the layer was patched.
+        jax.eval_shape(lambda *a: step(*a), *args)
     return seen
 
 
@@ -68,20 +71,33 @@ class SwappedStep:
     def _call(self, *args):
         from ..moe import ShardedRoutedMoE
 
+        swapped = []
+
         def sharded(layer, params, x_BSD):
+            swapped.append(layer.cfg)
             return ShardedRoutedMoE(layer.cfg, self.mesh, **self.layer_kwargs)(params, x_BSD)
 
         with _serving_routed_moe(sharded):
-            return self.step(*args)
+            out = self.step(*args)
+        if not swapped:
+            raise RewriteError("the step calls RoutedMoE, but tracing it again did not reach the "
+                               "layer (a jitted function inside it reused a trace made before "
+                               "the swap); call shardlint.rewrite before the step first runs, "
+                               "or call jax.clear_caches() first")
+        return out
+
+    def _jitted(self):
+        # A fresh function each time, so jit never serves a trace from before the swap.
+        return jax.jit(lambda *a: self._call(*a))
 
     def __call__(self, *args):
-        return jax.jit(self._call)(*args)
+        return self._jitted()(*args)
 
     def trace(self, *args):
-        return jax.jit(self._call).trace(*args)
+        return self._jitted().trace(*args)
 
     def lower(self, *args):
-        return jax.jit(self._call).lower(*args)
+        return self._jitted().lower(*args)
 
 
 def swap_moe_layers(step: Callable, mesh, *, args=None, axes=None, progress=None):

@@ -112,3 +112,21 @@ def test_forward_function_differentiated_later_by_the_user():
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-6)
     lowered = jax.jit(jax.grad(functools.partial(loss, fixed))).lower(*values).as_text()
     assert "shard_map" in lowered or "manual" in lowered
+
+
+def test_jaxpr_route_on_the_decoder_with_constraints_and_inner_jits():
+    # Code with NamedSharding constraints, jitted helpers (silu, argsort) and a
+    # cross-entropy over all tokens: only the routed regions are re-emitted, and the
+    # numbers are unchanged. (The CLI would take the shardlint.moe swap route here.)
+    from shardlint.examples import decoder
+    from shardlint.rewrites import TokenAxes
+
+    mesh = _mesh(4)
+    fn, args = decoder.make_step(mesh, decoder.DecoderConfig(layers=1))
+    messages = []
+    fixed = RewrittenStep(fn, mesh, axes=TokenAxes(("data",), ("context",)), progress=messages.append)
+    assert verify_same(fn, fixed, args)
+    assert any("rewrote 2 routed region(s)" in m for m in messages)  # forward and backward
+    after = shardlint.analyze(fixed, *args)
+    assert after.findings == ()
+    assert all(c.source.file.endswith("decoder.py") for c in after.all_gathers())  # K/V only
