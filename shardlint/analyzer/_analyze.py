@@ -32,6 +32,8 @@ def analyze(fn: Callable, *args, mesh=None, progress: Callable[[str], None] | No
     if compiled.propagated_hlo is not None:
         graph = build_graph(parse_hlo(compiled.propagated_hlo), compiled.mesh)
         graph.graph["grouped_matmul_sources"] = compiled.grouped_matmul_sources
+        graph.graph["asked_lines"] = frozenset(
+            (a.file, a.line) for a in compiled.asked if a.op in ("sharding_constraint", "reshard"))
         findings, requested, collectives = find_lost_sharding(graph, compiled.mesh, collectives)
     return Analysis(
         mesh=compiled.mesh.as_dict(),

@@ -23,6 +23,7 @@ from jax.sharding import NamedSharding
 from .._errors import AnalysisError
 from ._devices import MeshInfo
 from ._jaxpr import grouped_matmul_sources
+from ._stablehlo import Asked, asked_for
 from ._topology import check_libtpu, topology_of
 
 # Shardy exports its result to HLO as `after_shardy-xla`; GSPMD's pass is
@@ -40,6 +41,7 @@ class Compiled:
     partitioner: str
     platform: str
     grouped_matmul_sources: frozenset
+    asked: tuple[Asked, ...] = ()
     topology: str | None = None      # TPU topology of compile-only devices (libtpu AOT)
 
 
@@ -77,6 +79,7 @@ def compile_step(fn: Callable, args: tuple, mesh=None, progress=None) -> Compile
             try:
                 traced = jitted.trace(*args)
                 lowered = traced.lower()
+                asked = asked_for(lowered.compiler_ir("stablehlo"))
             except Exception as e:  # the user's code raised while tracing
                 raise AnalysisError(f"tracing the step failed: {type(e).__name__}: {e}") from e
             if progress:
@@ -103,6 +106,7 @@ def compile_step(fn: Callable, args: tuple, mesh=None, progress=None) -> Compile
         partitioner="shardy" if jax.config.jax_use_shardy_partitioner else "gspmd",
         platform=mesh.devices.flat[0].platform,
         grouped_matmul_sources=grouped_matmul_sources(traced.jaxpr),
+        asked=asked,
         topology=topology,
     )
 

@@ -37,7 +37,7 @@ def find_lost_sharding(graph: nx.DiGraph, mesh: MeshInfo, collectives: tuple[Col
     findings, requested = [], []
     raw = []
     for node, data in graph.nodes(data=True):
-        op = _op_label(data)
+        op = _op_label(data, graph.graph.get("asked_lines", ()))
         if op is None:
             continue
         hit = _lost_axes(graph, node, op)
@@ -72,7 +72,7 @@ def _attribute(collectives, findings) -> tuple[Collective, ...]:
         for c in collectives)
 
 
-def _op_label(data) -> str | None:
+def _op_label(data, asked_lines=()) -> str | None:
     opcode = data["opcode"]
     if opcode == "reshape":
         return "reshape"
@@ -86,6 +86,9 @@ def _op_label(data) -> str | None:
         return "sharding_constraint"  # GSPMD keeps the constraint as a custom call
     if opcode == "copy" and data["op_path"].rsplit("/", 1)[-1] in _CONSTRAINT_OP_NAMES:
         return "sharding_constraint"  # Shardy exports it as a copy named after the JAX op
+    src = data["source"]
+    if opcode in ("copy", "custom-call") and src is not None and (src.file, src.line) in asked_lines:
+        return "sharding_constraint"  # a line where the lowered StableHLO asks for a sharding
     return None
 
 
@@ -157,7 +160,7 @@ def _constrained(graph, node) -> bool:
         for n in frontier:
             for user in graph.successors(n):
                 data = graph.nodes[user]
-                if _op_label(data) == "sharding_constraint":
+                if _op_label(data, graph.graph.get("asked_lines", ())) == "sharding_constraint":
                     if sharding_of(graph, user) == mine:
                         return True
                 elif data["opcode"] in ("copy", "convert", "bitcast"):
@@ -237,7 +240,7 @@ def _requested_gathers(graph, collectives, linked, requested) -> list[Requested]
     seen = {(r.source.file, r.source.line) for r in requested if r.source}
     found = []
     for node, data in graph.nodes(data=True):
-        if _op_label(data) != "sharding_constraint" or data["source"] is None:
+        if _op_label(data, graph.graph.get("asked_lines", ())) != "sharding_constraint" or data["source"] is None:
             continue
         where = (data["source"].file, data["source"].line)
         # Gathers labelled at an op already listed as requested are explained there.
