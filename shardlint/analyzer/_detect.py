@@ -300,8 +300,8 @@ def _link(graph, raw, mesh: MeshInfo, collectives) -> dict[str, set[str]]:
 
 def nearby_lines(graph, node, radius: int = 2) -> set[tuple[str, int]]:
     """Source lines of the ops within `radius` edges of `node` (producers and users)."""
-    around = nx.ego_graph(graph, node, radius=radius, undirected=True)
-    return {(s.file, s.line) for s in (graph.nodes[n]["source"] for n in around) if s is not None}
+    return {(s.file, s.line) for s in (graph.nodes[n]["source"] for n in around(graph, node, radius))
+            if s is not None}
 
 
 def _labelled_near(c: Collective, lines: set[tuple[str, int]]) -> bool:
@@ -358,13 +358,30 @@ def _finding(graph, node, op, lost, operand, element, feeds, ids, nbytes) -> Fin
 
 def neighbourhood(graph, node, radius: int = 2, limit: int = 14) -> Neighbourhood:
     """Ops within `radius` edges of `node` (producers and users), at most `limit`."""
-    around = nx.ego_graph(graph, node, radius=radius, undirected=True)
-    keep = sorted(around.nodes, key=lambda n: (nx.shortest_path_length(around.to_undirected(), node, n), n))[:limit]
+    distance = around(graph, node, radius)
+    keep = sorted(distance, key=lambda n: (distance[n], n))[:limit]
     nodes = tuple(GraphNode(n, graph.nodes[n]["opcode"], describe(graph, n, 0) if graph.nodes[n]["result"] else "",
                             _source(graph.nodes[n]), n == node) for n in keep)
     kept = set(keep)
-    edges = tuple((a, b) for a, b in graph.subgraph(kept).edges)
+    edges = tuple((a, b) for a in keep for b in graph.successors(a) if b in kept)
     return Neighbourhood(nodes, edges)
+
+
+def around(graph, node, radius: int) -> dict[str, int]:
+    """Distance of every op within `radius` edges of `node`, following edges both ways.
+
+    (A breadth-first walk: networkx's undirected ego graph would copy the whole graph.)"""
+    distance = {node: 0}
+    frontier = [node]
+    for step in range(1, radius + 1):
+        nxt = []
+        for n in frontier:
+            for m in (*graph.predecessors(n), *graph.successors(n)):
+                if m not in distance:
+                    distance[m] = step
+                    nxt.append(m)
+        frontier = nxt
+    return distance
 
 
 def describe(graph, node, element: int) -> str:
