@@ -5,7 +5,25 @@ This is the one place the device count is set; test modules never touch XLA_FLAG
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import jax
+import pytest
 
 jax.config.update("jax_num_cpu_devices", 8)
 jax.config.update("jax_platforms", "cpu")
+
+
+@pytest.fixture
+def run_cli():
+    """Runs `shardlint ARGS...` in a fresh process, as a user would: the environment's
+    XLA_FLAGS are dropped, so the device count comes from the CLI's own --mesh handling."""
+
+    def run(*argv: str, timeout: int = 300) -> subprocess.CompletedProcess:
+        env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+        return subprocess.run([sys.executable, "-m", "shardlint.cli", *argv], capture_output=True,
+                              text=True, env=env, timeout=timeout)
+
+    return run

@@ -66,9 +66,6 @@ def mesh_of(args) -> Any:
 def compile_step(fn: Callable, args: tuple, mesh=None, progress=None) -> Compiled:
     mesh = mesh if mesh is not None else mesh_of(args)
     info = MeshInfo.from_mesh(mesh)
-    if info.num_devices > len(mesh.devices.flat) or any(
-            d.platform != mesh.devices.flat[0].platform for d in mesh.devices.flat):
-        raise AnalysisError(f"mesh {info.as_dict()} does not match its devices")
     topology = topology_of(mesh.devices.flat)
     if topology is not None:
         check_libtpu()  # a mismatched libtpu fails inside the compiler with a RET_CHECK

@@ -16,14 +16,13 @@ a lost axis whose per-device result is exactly the operand with that axis gather
 from __future__ import annotations
 
 import collections
-import dataclasses
-import math
 
 import networkx as nx
 
 from ._devices import MeshInfo, Sharding
-from ._graph import dims_of, operand_of, sharding_of
-from ._model import Collective, Finding, GraphNode, Neighbourhood, Requested, Source
+from ._attribution import attribute, link, requested_gathers
+from ._graph import around, dims_of, operand_of, sharding_of, source_of
+from ._model import Collective, Finding, GraphNode, Neighbourhood, Requested
 
 _LAYOUT_OPS = {"convert", "copy", "bitcast", "reshape", "transpose", "get-tuple-element",
                "dynamic-slice", "all-gather", "parameter", "broadcast", "slice"}
@@ -35,41 +34,33 @@ _GMM_TARGET_WORDS = ("gmm", "ragged", "grouped", "megablox", "tgmm")
 def find_lost_sharding(graph: nx.DiGraph, mesh: MeshInfo, collectives: tuple[Collective, ...]):
     """Returns (findings, requested reshardings, collectives with causes attributed)."""
     findings, requested = [], []
-    raw = []
+    raw, constraints = [], []
     for node, data in graph.nodes(data=True):
         op = _op_label(data, graph.graph.get("asked_lines", ()))
         if op is None:
             continue
+        if op == "sharding_constraint":
+            constraints.append(node)
         hit = _lost_axes(graph, node, op)
         if hit is None:
             continue
         lost, operand, element = hit
         if op == "sharding_constraint" or _constrained(graph, node):
-            requested.append(Requested(op, lost, _source(data), data["op_path"]))
+            requested.append(Requested(op, lost, source_of(graph, node), data["op_path"]))
             continue
         raw.append((node, op, lost, operand, element))
-    links = _link(graph, raw, mesh, collectives)
+    links = link(graph, raw, mesh, collectives)
     linked = set().union(*links.values()) if links else set()
-    requested += _requested_gathers(graph, collectives, linked, requested)
+    requested += requested_gathers(graph, constraints, collectives, linked, requested)
     for node, op, lost, operand, element in raw:
         linked = links.get(node, set())
         nbytes = sum(c.bytes for c in collectives if c.id in linked)
         feeds = feeds_grouped_matmul(graph, node)
         findings.append(_finding(graph, node, op, lost, operand, element, feeds,
                                  tuple(sorted(linked)), nbytes))
-    collectives = _attribute(collectives, findings)
+    collectives = attribute(collectives, findings)
     findings.sort(key=lambda f: (f.source.file if f.source else "", f.source.line if f.source else 0, f.op_path))
     return tuple(findings), tuple(requested), collectives
-
-
-def _attribute(collectives, findings) -> tuple[Collective, ...]:
-    """A collective a finding caused is attributed to the finding's op (XLA's own label
-    stays in `xla_op_path`/`xla_source`)."""
-    cause = {cid: f for f in findings for cid in f.collectives}
-    return tuple(
-        dataclasses.replace(c, source=cause[c.id].source, op_path=cause[c.id].op_path)
-        if c.id in cause else c
-        for c in collectives)
 
 
 def _op_label(data, asked_lines=()) -> str | None:
@@ -234,103 +225,6 @@ def _from_parameter(graph, node, depth: int = 6) -> bool:
     return False
 
 
-def _requested_gathers(graph, collectives, linked, requested) -> list[Requested]:
-    """All-gathers XLA placed for a sharding constraint (or next to it, e.g. gathering
-    the input of the K/V projections once rather than K and V): asked for, not lost."""
-    seen = {(r.source.file, r.source.line) for r in requested if r.source}
-    found = []
-    for node, data in graph.nodes(data=True):
-        if _op_label(data, graph.graph.get("asked_lines", ())) != "sharding_constraint" or data["source"] is None:
-            continue
-        where = (data["source"].file, data["source"].line)
-        # Gathers labelled at an op already listed as requested are explained there.
-        lines = nearby_lines(graph, node, radius=1) - seen
-        axes = tuple(dict.fromkeys(a for c in collectives if c.kind == "all-gather" and c.id not in linked
-                                   and any(s is not None and (s.file, s.line) in lines
-                                           for s in (c.xla_source, c.source))
-                                   and not any(s is not None and (s.file, s.line) in seen
-                                               for s in (c.xla_source, c.source))
-                                   for a in c.axes))
-        if axes and where not in seen:
-            seen.add(where)
-            found.append(Requested("sharding_constraint", axes, _source(data), data["op_path"]))
-    return found
-
-
-def _link(graph, raw, mesh: MeshInfo, collectives) -> dict[str, set[str]]:
-    """Which all-gathers each finding caused.
-
-    First by XLA's own label (the same op path and line as the finding's op); then, for
-    the rest, by what the collective is: an all-gather over a lost axis whose per-device
-    result is the operand with that axis gathered. When several findings fit, the one in
-    the same transformation (forward `jvp()` or backward `transpose(...)`) as XLA's label
-    wins, then the one on the line of the op that reads the gather.
-    """
-    links: dict[str, set[str]] = {node: set() for node, *_ in raw}
-    claimed: set[str] = set()
-    for node, *_ in raw:
-        data = graph.nodes[node]
-        src = data["source"]
-        for c in collectives:
-            if (c.kind == "all-gather" and src is not None and c.xla_source is not None
-                    and (c.xla_source.file, c.xla_source.line) == (src.file, src.line)
-                    and c.xla_op_path == data["op_path"]):
-                links[node].add(c.id)
-                claimed.add(c.id)
-    wanted = {node: _gathered_shape(graph, operand, element, lost, mesh)
-              for node, op, lost, operand, element in raw}
-    near = {node: nearby_lines(graph, node) for node, *_ in raw}
-    for c in collectives:
-        if c.kind != "all-gather" or c.id in claimed:
-            continue
-        fits = [node for node, op, lost, *_ in raw
-                if set(c.axes) & set(lost) and c.shape == wanted[node] and _labelled_near(c, near[node])]
-        if not fits:
-            continue
-
-        def preference(node):
-            data = graph.nodes[node]
-            same_transform = _transform(data["op_path"]) == _transform(c.xla_op_path)
-            same_line = data["source"] is not None and c.source is not None and data["source"].line == c.source.line
-            return (not same_transform, not same_line)
-
-        links[min(fits, key=preference)].add(c.id)
-    return links
-
-
-def nearby_lines(graph, node, radius: int = 2) -> set[tuple[str, int]]:
-    """Source lines of the ops within `radius` edges of `node` (producers and users)."""
-    return {(s.file, s.line) for s in (graph.nodes[n]["source"] for n in around(graph, node, radius))
-            if s is not None}
-
-
-def _labelled_near(c: Collective, lines: set[tuple[str, int]]) -> bool:
-    """XLA's label has no source (an argument's name), or it or the collective's reader
-    sits next to the op: an all-gather labelled elsewhere belongs to someone else."""
-    return c.xla_source is None or any(
-        s is not None and (s.file, s.line) in lines for s in (c.xla_source, c.source))
-
-
-def _transform(op_path: str) -> str:
-    """`jit(step)/transpose(jvp())/mul` -> `jit(step)/transpose(jvp())`.
-
-    XLA joins the names of ops it merged with ';' (JAX 0.12); the first one decides."""
-    first = op_path.split(";", 1)[0]
-    return first.rsplit("/", 1)[0] if "/" in first else ""
-
-
-def _gathered_shape(graph, operand, element, lost, mesh: MeshInfo) -> str:
-    """The per-device operand with the lost axes gathered, e.g. `f32[2,64,16]`."""
-    before = sharding_of(graph, operand, element)
-    dims = dims_of(graph, operand, element)
-    sizes = mesh.as_dict()
-    expected = tuple(
-        d // math.prod(sizes.get(a, 1) for a in axes if a not in lost)
-        for d, axes in zip(dims, before.dims + ((),) * (len(dims) - len(before.dims))))
-    dtype = graph.nodes[operand]["result"][element].dtype
-    return f"{dtype}[{','.join(map(str, expected))}]"
-
-
 def _finding(graph, node, op, lost, operand, element, feeds, ids, nbytes) -> Finding:
     data = graph.nodes[node]
     before = describe(graph, operand, element)
@@ -351,7 +245,7 @@ def _finding(graph, node, op, lost, operand, element, feeds, ids, nbytes) -> Fin
     else:
         way_out = (f"{what} needs the whole dimension on every device: compute it per shard "
                    "inside jax.shard_map, or over a dimension that is not sharded")
-    return Finding("lost-sharding", op, lost, feeds, _source(data), data["op_path"], before, after,
+    return Finding("lost-sharding", op, lost, feeds, source_of(graph, node), data["op_path"], before, after,
                    ids, nbytes, message, way_out, neighbourhood(graph, node),
                    sharding_of(graph, operand, element).dims)
 
@@ -361,27 +255,10 @@ def neighbourhood(graph, node, radius: int = 2, limit: int = 14) -> Neighbourhoo
     distance = around(graph, node, radius)
     keep = sorted(distance, key=lambda n: (distance[n], n))[:limit]
     nodes = tuple(GraphNode(n, graph.nodes[n]["opcode"], describe(graph, n, 0) if graph.nodes[n]["result"] else "",
-                            _source(graph.nodes[n]), n == node) for n in keep)
+                            source_of(graph, n), n == node) for n in keep)
     kept = set(keep)
     edges = tuple((a, b) for a in keep for b in graph.successors(a) if b in kept)
     return Neighbourhood(nodes, edges)
-
-
-def around(graph, node, radius: int) -> dict[str, int]:
-    """Distance of every op within `radius` edges of `node`, following edges both ways.
-
-    (A breadth-first walk: networkx's undirected ego graph would copy the whole graph.)"""
-    distance = {node: 0}
-    frontier = [node]
-    for step in range(1, radius + 1):
-        nxt = []
-        for n in frontier:
-            for m in (*graph.predecessors(n), *graph.successors(n)):
-                if m not in distance:
-                    distance[m] = step
-                    nxt.append(m)
-        frontier = nxt
-    return distance
 
 
 def describe(graph, node, element: int) -> str:
@@ -394,11 +271,6 @@ def describe(graph, node, element: int) -> str:
     for axes in sharding.dims:
         specs.append("None" if not axes else repr(axes[0]) if len(axes) == 1 else repr(tuple(axes)))
     return f"{array} P({', '.join(specs)})"
-
-
-def _source(data) -> Source | None:
-    src = data["source"]
-    return Source(src.file, src.line, src.function) if src else None
 
 
 def _int_list(text: str) -> list[int]:

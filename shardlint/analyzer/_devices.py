@@ -56,8 +56,6 @@ class Sharding:
         return {a for d in self.dims for a in d}
 
 
-REPLICATED = Sharding(())
-
 
 def axes_of_index(mesh: MeshInfo, index: np.ndarray) -> Axes | None:
     """The ordered mesh axes whose linearised coordinates equal `index[device]`."""
@@ -133,7 +131,7 @@ def parse_sharding(text: str | None, mesh: MeshInfo, rank: int) -> Sharding | No
     if text is None:
         return None
     body = text.strip()
-    if body.startswith("{{") or (body.startswith("{") and body[1:].lstrip().startswith("{")):
+    if re.match(r"\{\s*\{", body):
         return None  # tuple sharding: use `parse_tuple_sharding`
     body = body[1:-1].strip() if body.startswith("{") else body
     if body.startswith("replicated") or body.startswith("maximal"):
@@ -166,12 +164,13 @@ def parse_sharding(text: str | None, mesh: MeshInfo, rank: int) -> Sharding | No
 
 
 def parse_tuple_sharding(text: str | None, mesh: MeshInfo, ranks: list[int]) -> list[Sharding | None]:
+    """One Sharding per result array: a tuple sharding `{{...}, {...}}` gives one each, a
+    single sharding applies to every array."""
     if text is None:
         return [None] * len(ranks)
     body = text.strip()
-    if not body.startswith("{{") and not re.match(r"\{\s*\{", body):
-        one = parse_sharding(body, mesh, ranks[0] if ranks else 0)
-        return [parse_sharding(body, mesh, r) for r in ranks] if one else [None] * len(ranks)
+    if not re.match(r"\{\s*\{", body):
+        return [parse_sharding(body, mesh, r) for r in ranks]
     parts = _top_level_parts(body[1:-1])
     return [parse_sharding(p, mesh, r) for p, r in zip(parts, ranks)] + [None] * (len(ranks) - len(parts))
 

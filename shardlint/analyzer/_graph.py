@@ -11,7 +11,8 @@ from __future__ import annotations
 import networkx as nx
 
 from ._devices import MeshInfo, Sharding, parse_tuple_sharding
-from ._hlo import HloModule, Instruction
+from ._hlo import HloModule
+from ._model import Source
 
 
 def build_graph(module: HloModule, mesh: MeshInfo) -> nx.DiGraph:
@@ -61,3 +62,25 @@ def sharding_of(graph: nx.DiGraph, node: str, element: int = 0) -> Sharding | No
 def dims_of(graph: nx.DiGraph, node: str, element: int = 0) -> tuple[int, ...]:
     result = graph.nodes[node]["result"]
     return result[element].dims if element < len(result) else ()
+
+
+def source_of(graph: nx.DiGraph, node: str) -> Source | None:
+    src = graph.nodes[node]["source"]
+    return Source(src.file, src.line, src.function) if src else None
+
+
+def around(graph: nx.DiGraph, node: str, radius: int) -> dict[str, int]:
+    """Distance of every op within `radius` edges of `node`, following edges both ways.
+
+    (A breadth-first walk: networkx's undirected ego graph would copy the whole graph.)"""
+    distance = {node: 0}
+    frontier = [node]
+    for step in range(1, radius + 1):
+        nxt = []
+        for n in frontier:
+            for m in (*graph.predecessors(n), *graph.successors(n)):
+                if m not in distance:
+                    distance[m] = step
+                    nxt.append(m)
+        frontier = nxt
+    return distance

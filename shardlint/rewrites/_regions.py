@@ -24,8 +24,6 @@ from jax.sharding import PartitionSpec as P
 from .._errors import RewriteError
 from ..analyzer._detect import reshape_groups
 
-Var = object  # jax.extend.core.Var; hashable by identity
-
 # Producers whose non-token result is a sum over tokens: psum across shards restores it.
 _TOKEN_REDUCTIONS = {"reduce_sum", "dot_general", "ragged_dot_general", "scatter-add", "scatter_add"}
 # Linear in a single region operand (the other operands are the same on every shard).
@@ -73,7 +71,7 @@ def plan_regions(global_jaxpr, local_jaxpr, seq_jaxpr, axes: TokenAxes) -> Plan:
         spec = _spec(var, lvar, seq_of.get(var), axes)
         if spec is None:
             continue
-        names = [a for entry in spec for a in _entry_axes(entry)]
+        names = [a for entry in spec for a in entry_axes(entry)]
         if len(names) != len(set(names)):
             doubly_scaled.add(var)
             spec = P(*([None] * len(spec)))
@@ -183,7 +181,7 @@ def _spec(var, lvar, svar, axes: TokenAxes) -> P | None:
     return P(*entries)
 
 
-def _entry_axes(entry) -> tuple[str, ...]:
+def entry_axes(entry) -> tuple[str, ...]:
     if entry is None:
         return ()
     return (entry,) if isinstance(entry, str) else tuple(entry)
@@ -197,7 +195,7 @@ def _merges_seq(eqn, specs, axes: TokenAxes) -> bool:
     shape_in, shape_out = eqn.invars[0].aval.shape, eqn.outvars[0].aval.shape
     for ins, outs in reshape_groups(shape_in, shape_out):
         if len(ins) > 1 and len(outs) == 1 and any(
-                set(axes.seq) & set(_entry_axes(src[d])) for d in ins if d < len(src)):
+                set(axes.seq) & set(entry_axes(src[d])) for d in ins if d < len(src)):
             return True
     return False
 
@@ -210,7 +208,7 @@ def _splits_tokens(eqn, specs, axes: TokenAxes) -> bool:
     shape_in, shape_out = eqn.invars[0].aval.shape, eqn.outvars[0].aval.shape
     for ins, outs in reshape_groups(shape_in, shape_out):
         if len(ins) == 1 and len(outs) > 1 and any(
-                set(axes.seq) & set(_entry_axes(out[d])) for d in outs if d < len(out)):
+                set(axes.seq) & set(entry_axes(out[d])) for d in outs if d < len(out)):
             return True
     return False
 

@@ -21,7 +21,7 @@ from jax.sharding import NamedSharding
 
 from .._errors import RewriteError
 from ._emit import emit
-from ._regions import TokenAxes, plan_regions
+from ._regions import TokenAxes, entry_axes, plan_regions
 
 
 class RewrittenStep:
@@ -202,7 +202,7 @@ def _shrunk(x, spec, axes: TokenAxes, nb: int, ns: int):
     """`x` at one shard's size along the dims sharded over batch or sequence axes."""
     shape = list(x.shape)
     for d, entry in enumerate(spec or ()):
-        names = (entry,) if isinstance(entry, str) else tuple(entry or ())
+        names = entry_axes(entry)
         if not names:
             continue
         factor = 1

@@ -13,21 +13,17 @@ import os
 
 import jax
 import pytest
-from jax.sharding import AxisType
 
-import shardlint
-from shardlint.examples import steps
+from . import _examples
 
 STEPS = ["make_step", "make_dense_step", "make_attention_step", "make_per_shard_step",
          "make_qwen3_style_step"]
 
 
 def signature() -> dict:
-    mesh = jax.make_mesh((2, 4), ("data", "context"), axis_types=(AxisType.Auto,) * 2)
     out = {}
     for name in STEPS:
-        fn, args = getattr(steps, name)(mesh, steps.Sizes(batch=8))
-        a = shardlint.analyze(fn, *args)
+        a = _examples.analysis(name, 4)  # shared with test_detect: compiled once
         by_id = {c.id: c for c in a.collectives}
         out[name] = {
             "findings": sorted(

@@ -5,7 +5,6 @@ Each step is analyzed once per mesh (module-scoped cache) and shared by the test
 
 from __future__ import annotations
 
-import functools
 import inspect
 import json
 
@@ -16,23 +15,14 @@ from jax.sharding import AxisType
 import shardlint
 from shardlint.examples import steps
 
+from . import _examples
+
 CONTEXTS = [2, 4, 8]
 
 
-def _mesh(context: int):
-    return jax.make_mesh((8 // context, context), ("data", "context"),
-                         axis_types=(AxisType.Auto,) * 2)
-
-
-# Two batch rows per device at every mesh: with a single row per device a (batch, seq)
-# merge can carry the seq sharding, and XLA rightly loses nothing.
-SIZES = steps.Sizes(batch=8)
-
-
-@functools.cache
-def _analysis(make_name: str, context: int):
-    fn, args = getattr(steps, make_name)(_mesh(context), SIZES)
-    return shardlint.analyze(fn, *args)
+_mesh = _examples.mesh
+_analysis = _examples.analysis
+SIZES = _examples.SIZES
 
 
 def _line_of(function, text: str) -> int:

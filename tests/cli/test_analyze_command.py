@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -83,13 +81,10 @@ def test_target_that_raises_and_mesh_mismatch(tmp_path, capsys):
     assert "tracing the step failed" in capsys.readouterr().err
 
 
-def test_cli_simulates_the_devices_the_mesh_needs(tmp_path):
+def test_cli_simulates_the_devices_the_mesh_needs(tmp_path, run_cli):
     # A fresh process: 16 devices are asked for from --mesh before JAX starts.
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    result = subprocess.run(
-        [sys.executable, "-m", "shardlint.cli", "analyze", "shardlint.examples.steps:make_per_shard_step",
-         "--mesh", "data=2,context=8", "--json", str(tmp_path / "a.json")],
-        capture_output=True, text=True, env=env, timeout=300)
+    result = run_cli("analyze", "shardlint.examples.steps:make_per_shard_step",
+                     "--mesh", "data=2,context=8", "--json", str(tmp_path / "a.json"))
     assert result.returncode == 0, result.stderr
     assert json.loads((tmp_path / "a.json").read_text())["mesh"] == {"data": 2, "context": 8}
 

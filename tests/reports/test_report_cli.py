@@ -7,9 +7,6 @@ the command's wiring whatever state the rewrite is in.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 
 import pytest
 
@@ -82,13 +79,11 @@ def test_sweep_spec_and_device_count():
 
 
 @pytest.mark.slow
-def test_sweep_simulates_the_largest_mesh_before_jax_starts(tmp_path):
+def test_sweep_simulates_the_largest_mesh_before_jax_starts(tmp_path, run_cli):
     """A fresh process: --mesh needs 8 devices, context=8 needs 16."""
     out = tmp_path / "sweep.html"
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    proc = subprocess.run([sys.executable, "-m", "shardlint.cli", "report", TARGET, "--mesh",
-                           "data=2,context=4", "--no-rewrite", "--sweep", "context=1,8",
-                           "--out", str(out)], capture_output=True, text=True, env=env, timeout=300)
+    proc = run_cli("report", TARGET, "--mesh", "data=2,context=4", "--no-rewrite",
+                   "--sweep", "context=1,8", "--out", str(out))
     assert proc.returncode == 1, proc.stderr
     text = out.read_text(encoding="utf-8")
     assert 'data-series="before" data-x="8"' in text and "compiling for 16 devices" in proc.stderr

@@ -1,0 +1,126 @@
+"""Which collectives each finding caused, and which the user asked for.
+
+XLA's own label on a collective changes across versions (JAX 0.12 labels a gathered
+argument with its name and joins merged op names with ';'), so a finding claims an
+all-gather first by that label (the same op path and line), then by what the gather is:
+over a lost axis, its per-device result is the operand with that axis gathered, and it
+is labelled (or read) next to the op. Gathers placed next to a sharding constraint are
+requested; a collective a finding caused is attributed to the finding's op.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from ._devices import MeshInfo
+from ._graph import around, dims_of, sharding_of, source_of
+from ._model import Collective, Requested
+
+
+def attribute(collectives, findings) -> tuple[Collective, ...]:
+    """A collective a finding caused is attributed to the finding's op (XLA's own label
+    stays in `xla_op_path`/`xla_source`)."""
+    cause = {cid: f for f in findings for cid in f.collectives}
+    return tuple(
+        dataclasses.replace(c, source=cause[c.id].source, op_path=cause[c.id].op_path)
+        if c.id in cause else c
+        for c in collectives)
+
+
+def requested_gathers(graph, constraints, collectives, linked, requested) -> list[Requested]:
+    """All-gathers XLA placed for a sharding constraint (or next to it, e.g. gathering
+    the input of the K/V projections once rather than K and V): asked for, not lost."""
+    seen = {(r.source.file, r.source.line) for r in requested if r.source}
+    found = []
+    for node in constraints:
+        data = graph.nodes[node]
+        if data["source"] is None:
+            continue
+        where = (data["source"].file, data["source"].line)
+        # Gathers labelled at an op already listed as requested are explained there.
+        lines = nearby_lines(graph, node, radius=1) - seen
+        axes = tuple(dict.fromkeys(a for c in collectives if c.kind == "all-gather" and c.id not in linked
+                                   and any(s is not None and (s.file, s.line) in lines
+                                           for s in (c.xla_source, c.source))
+                                   and not any(s is not None and (s.file, s.line) in seen
+                                               for s in (c.xla_source, c.source))
+                                   for a in c.axes))
+        if axes and where not in seen:
+            seen.add(where)
+            found.append(Requested("sharding_constraint", axes, source_of(graph, node), data["op_path"]))
+    return found
+
+
+def link(graph, raw, mesh: MeshInfo, collectives) -> dict[str, set[str]]:
+    """Which all-gathers each finding caused.
+
+    First by XLA's own label (the same op path and line as the finding's op); then, for
+    the rest, by what the collective is: an all-gather over a lost axis whose per-device
+    result is the operand with that axis gathered. When several findings fit, the one in
+    the same transformation (forward `jvp()` or backward `transpose(...)`) as XLA's label
+    wins, then the one on the line of the op that reads the gather.
+    """
+    links: dict[str, set[str]] = {node: set() for node, *_ in raw}
+    claimed: set[str] = set()
+    for node, *_ in raw:
+        data = graph.nodes[node]
+        src = data["source"]
+        for c in collectives:
+            if (c.kind == "all-gather" and src is not None and c.xla_source is not None
+                    and (c.xla_source.file, c.xla_source.line) == (src.file, src.line)
+                    and c.xla_op_path == data["op_path"]):
+                links[node].add(c.id)
+                claimed.add(c.id)
+    wanted = {node: _gathered_shape(graph, operand, element, lost, mesh)
+              for node, op, lost, operand, element in raw}
+    near = {node: nearby_lines(graph, node) for node, *_ in raw}
+    for c in collectives:
+        if c.kind != "all-gather" or c.id in claimed:
+            continue
+        fits = [node for node, op, lost, *_ in raw
+                if set(c.axes) & set(lost) and c.shape == wanted[node] and _labelled_near(c, near[node])]
+        if not fits:
+            continue
+
+        def preference(node):
+            data = graph.nodes[node]
+            same_transform = _transform(data["op_path"]) == _transform(c.xla_op_path)
+            same_line = data["source"] is not None and c.source is not None and data["source"].line == c.source.line
+            return (not same_transform, not same_line)
+
+        links[min(fits, key=preference)].add(c.id)
+    return links
+
+
+def nearby_lines(graph, node, radius: int = 2) -> set[tuple[str, int]]:
+    """Source lines of the ops within `radius` edges of `node` (producers and users)."""
+    return {(s.file, s.line) for s in (graph.nodes[n]["source"] for n in around(graph, node, radius))
+            if s is not None}
+
+
+def _labelled_near(c: Collective, lines: set[tuple[str, int]]) -> bool:
+    """XLA's label has no source (an argument's name), or it or the collective's reader
+    sits next to the op: an all-gather labelled elsewhere belongs to someone else."""
+    return c.xla_source is None or any(
+        s is not None and (s.file, s.line) in lines for s in (c.xla_source, c.source))
+
+
+def _transform(op_path: str) -> str:
+    """`jit(step)/transpose(jvp())/mul` -> `jit(step)/transpose(jvp())`.
+
+    XLA joins the names of ops it merged with ';' (JAX 0.12); the first one decides."""
+    first = op_path.split(";", 1)[0]
+    return first.rsplit("/", 1)[0] if "/" in first else ""
+
+
+def _gathered_shape(graph, operand, element, lost, mesh: MeshInfo) -> str:
+    """The per-device operand with the lost axes gathered, e.g. `f32[2,64,16]`."""
+    before = sharding_of(graph, operand, element)
+    dims = dims_of(graph, operand, element)
+    sizes = mesh.as_dict()
+    expected = tuple(
+        d // math.prod(sizes.get(a, 1) for a in axes if a not in lost)
+        for d, axes in zip(dims, before.dims + ((),) * (len(dims) - len(before.dims))))
+    dtype = graph.nodes[operand]["result"][element].dtype
+    return f"{dtype}[{','.join(map(str, expected))}]"
