@@ -7,10 +7,8 @@ dimension. Dimension correspondence is shape algebra (which operand dims a resha
 or splits); the shardings are always XLA's. A drop that the user asked for (a sharding
 constraint, shard_map specs) is listed as requested instead.
 
-Each finding is linked to the collectives XLA emitted for it: first by the collective's
-own metadata (same op path and source line), then, because newer XLA labels some
-collectives only with the argument's name, by what the collective is: an all-gather over
-a lost axis whose per-device result is exactly the operand with that axis gathered.
+Which collectives each finding caused, and which gathers the user asked for, is decided
+in `_attribution.py`.
 """
 
 from __future__ import annotations
