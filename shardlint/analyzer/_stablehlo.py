@@ -5,15 +5,15 @@ lost sharding. XLA's propagated HLO does not always keep it as an op of its own 
 exports a constraint as a plain `copy`, and may fold it away), while the lowered module
 has every `sdy.sharding_constraint` and `sdy.manual_computation` with its source location.
 This module walks that module (no text parsing: sdy attributes through the sdy bindings,
-locations through `ir.Location`) and returns the source lines where the user asked for a
-sharding, which the detector uses to tell requested from lost.
+locations through the typed `ir.Location` classes) and returns where the user asked for a
+sharding, with the whole Python stack, which the detector uses to tell requested from lost.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import re
 
+from jax._src.lib.mlir import ir
 from jax._src.lib.mlir.dialects import sdy
 
 _ASKING_OPS = ("sdy.sharding_constraint", "sdy.reshard", "sdy.manual_computation")
@@ -22,9 +22,11 @@ _ASKING_OPS = ("sdy.sharding_constraint", "sdy.reshard", "sdy.manual_computation
 @dataclasses.dataclass(frozen=True)
 class Asked:
     op: str                          # "sharding_constraint", "reshard" or "shard_map"
-    file: str
+    file: str                        # the innermost frame of `stack`
     line: int
     dims: tuple[tuple[str, ...], ...]  # mesh axes per dimension (first value for shard_map)
+    stack: tuple[tuple[str, int], ...] = ()  # (file, line), innermost frame first
+    shape: tuple[int, ...] = ()      # global shape of the (first) result
 
 
 def asked_for(module) -> tuple[Asked, ...]:
@@ -33,15 +35,34 @@ def asked_for(module) -> tuple[Asked, ...]:
     for op in _walk(module.operation):
         if op.name not in _ASKING_OPS:
             continue
-        where = _file_line(op.location)
-        if where is None:
+        stack = location_stack(op.location)
+        if not stack:
             continue
         if op.name == "sdy.manual_computation":
-            found.append(Asked("shard_map", *where, _first_in_sharding(op)))
+            kind, dims = "shard_map", _first_in_sharding(op)
         else:
+            kind = op.name.split(".", 1)[1]
             dims = _dims(op.attributes["sharding"]) if "sharding" in op.attributes else ()
-            found.append(Asked(op.name.split(".", 1)[1], *where, dims))
+        found.append(Asked(kind, *stack[0], dims, stack, _shape(op)))
     return tuple(found)
+
+
+def location_stack(location) -> tuple[tuple[str, int], ...]:
+    """The (file, line) frames of an MLIR location, innermost first.
+
+    JAX writes `name(callsite(callee at callsite(... at caller)))`; a `fused[...]` location
+    merges ops, and its first part that has frames stands for it. jaxlib's bindings hand
+    back the typed subclass (`NameLoc`, `CallSiteLoc`, ...) in JAX 0.10.2 and 0.12.0.1.
+    """
+    if isinstance(location, ir.NameLoc):
+        return location_stack(location.child_loc)
+    if isinstance(location, ir.CallSiteLoc):
+        return location_stack(location.callee) + location_stack(location.caller)
+    if isinstance(location, ir.FileLineColLoc):
+        return ((location.filename, location.start_line),)
+    if isinstance(location, ir.FusedLoc):
+        return next((s for s in map(location_stack, location.locations) if s), ())
+    return ()  # unknown location
 
 
 def _walk(op):
@@ -50,6 +71,13 @@ def _walk(op):
             for inner in block.operations:
                 yield inner.operation
                 yield from _walk(inner.operation)
+
+
+def _shape(op) -> tuple[int, ...]:
+    if not len(op.results):
+        return ()
+    kind = op.results[0].type  # a typed `RankedTensorType` in JAX 0.10.2 and 0.12.0.1
+    return tuple(kind.shape) if isinstance(kind, ir.RankedTensorType) else ()
 
 
 def _dims(attr) -> tuple[tuple[str, ...], ...]:
@@ -64,9 +92,3 @@ def _first_in_sharding(op) -> tuple[tuple[str, ...], ...]:
         return ()
     per_value = sdy.TensorShardingPerValueAttr(shardings).shardings
     return _dims(per_value[0]) if len(per_value) else ()
-
-
-def _file_line(location) -> tuple[str, int] | None:
-    """The innermost file:line of a location (name(callsite(callee at caller)))."""
-    m = re.search(r'"([^"]+)":(\d+):\d+', str(location))
-    return (m.group(1), int(m.group(2))) if m else None

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import pytest
-from jax.sharding import AxisType
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from shardlint.analyzer import MeshInfo, collectives_of, parse_hlo
 from shardlint.analyzer._hlo import _parse_attrs
@@ -136,3 +138,94 @@ def test_attribute_values_keep_nested_braces_and_quotes():
     assert attrs["sharding"] == "{{devices=[2,1]0,1}, {replicated}}"
     assert attrs["metadata"] == '{op_name="a, b{c}" stack_frame_id=3}'
     assert attrs["dimensions"] == "{1}"
+
+
+def _typed_ops(x, y, idx):
+    c = jnp.cumsum(x, axis=1)
+    s = jnp.sort(c, axis=1)
+    b = jnp.einsum("bij,bjk->bik", s.reshape(2, 4, 16), y)
+    scattered = x.at[idx].add(1.0)
+    gathered = x[idx]
+    top, _ = jax.lax.top_k(x, 2)
+    return b, scattered, gathered, top
+
+
+@pytest.fixture(scope="module")
+def typed_module():
+    args = (jnp.ones((8, 16)), jnp.ones((2, 16, 4)), jnp.array([1, 3]))
+    return parse_hlo(jax.jit(_typed_ops).lower(*args).compile().as_text())
+
+
+def _one(module, opcode):
+    found = [i for i in module.instructions() if i.opcode == opcode]
+    assert found, (opcode, sorted({i.opcode for i in module.instructions()}))
+    return found[0]
+
+
+def test_typed_attributes_of_a_real_compile(typed_module):
+    # XLA:CPU keeps a cumsum over 16 as one reduce-window (longer ones it splits in blocks).
+    cumsum = _one(typed_module, "reduce-window")
+    assert cumsum.window_sizes == (1, 16)
+    assert cumsum.window_padding == ((0, 0), (15, 0)) and cumsum.window_strides == (1, 1)
+    assert _one(typed_module, "sort").dimensions == (1,)
+    dot = next(i for i in typed_module.instructions() if i.opcode == "dot" and i.lhs_batch_dims)
+    assert (dot.lhs_batch_dims, dot.rhs_batch_dims) == ((0,), (0,))
+    assert (dot.lhs_contracting_dims, dot.rhs_contracting_dims) == ((2,), (1,))
+    scatter = _one(typed_module, "scatter")
+    assert scatter.update_window_dims == (1, 2) and scatter.inserted_window_dims == ()
+    assert scatter.scatter_dims_to_operand_dims == (0,) and scatter.index_vector_dim == 1
+    gather = _one(typed_module, "gather")
+    assert (gather.offset_dims, gather.collapsed_slice_dims, gather.start_index_map) == ((1, 2), (), (0,))
+    assert gather.index_vector_dim == 1 and gather.slice_sizes == (1, 16)
+    top_k = _one(typed_module, "custom-call")
+    assert top_k.custom_call_target == "TopK"
+    assert _one(typed_module, "sort").custom_call_target == "" and scatter.known_trip_count is None
+
+
+def test_parameter_numbers_and_tuple_indices(typed_module):
+    entry = typed_module.entry
+    assert sorted(i.parameter_number for i in entry.instructions if i.opcode == "parameter") == [0, 1, 2]
+    assert all(i.parameter_number is None for i in entry.instructions if i.opcode != "parameter")
+    elements = [i for i in typed_module.instructions() if i.opcode == "get-tuple-element"]
+    assert elements and all(i.tuple_index == int(i.attrs["index"]) for i in elements)
+
+
+def _scan_of_4(x):
+    def body(carry, row):
+        return carry + row, carry
+
+    return jax.lax.scan(body, x[0], x[:4])[0]
+
+
+def test_trip_count_of_a_scan_of_4(tmp_path):
+    mesh = jax.make_mesh((2, 4), ("data", "context"), axis_types=(AxisType.Auto,) * 2)
+    x = jax.ShapeDtypeStruct((8, 16), jnp.float32, sharding=NamedSharding(mesh, P("data", "context")))
+    compiled = jax.jit(_scan_of_4).lower(x).compile(compiler_options={
+        "xla_dump_to": str(tmp_path), "xla_dump_hlo_pass_re": "shardy-xla|sharding-propagation"})
+    partitioned = parse_hlo(compiled.as_text())
+    (loop,) = [i for i in partitioned.instructions() if i.opcode == "while"]
+    assert loop.known_trip_count == 4 and partitioned.trip_count(loop) == 4
+    # The propagated module has no annotation; the count is read from the loop itself.
+    dumps = sorted(p for p in tmp_path.iterdir() if p.suffix == ".txt"
+                   and (".after_shardy-xla." in p.name or ".after_sharding-propagation." in p.name))
+    propagated = parse_hlo(dumps[-1].read_text())
+    (loop,) = [i for i in propagated.instructions() if i.opcode == "while"]
+    assert loop.known_trip_count is None and propagated.trip_count(loop) == 4
+    # Every operand names an instruction of its computation, also where newer XLA writes a
+    # tuple element inline (`%while.1#1`, JAX 0.12) instead of a get-tuple-element.
+    for comp in propagated.computations.values():
+        names = {i.name for i in comp.instructions}
+        assert all(set(i.operands) <= names for i in comp.instructions), comp.name
+
+
+def test_inline_tuple_elements_name_the_tuple_and_its_index():
+    text = """HloModule m
+
+ENTRY %main (p: (s32[], f32[4])) -> f32[4] {
+  %p = (s32[], f32[4]{0}) parameter(0)
+  ROOT %out = f32[4]{0} negate(%p#1)
+}
+"""
+    (param, out) = parse_hlo(text).entry.instructions
+    assert param.parameter_number == 0 and param.operands == ()
+    assert out.operands == ("p",) and out.operand_indices == (1,)

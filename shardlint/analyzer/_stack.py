@@ -1,0 +1,192 @@
+"""Source stacks: XLA's stack-frame tables, the user's own frames, and how to print them.
+
+Compiled HLO names an instruction's Python stack through `metadata={stack_frame_id=N}` and
+four tables at the top of the module (`FileNames`, `FunctionNames`, `FileLocations`,
+`StackFrames`); a frame row points at its location and its caller's frame. The innermost
+frame of a MaxText constraint is always the same helper line, so a finding must show the
+frames that are the user's: this module drops frames inside JAX and the libraries around it,
+the Python standard library and shardlint's own machinery, decided by where the file lies on
+disk, and renders the rest relative to the working directory or the `sys.path` entry that
+holds it. Paths in XLA's tables are absolute, as JAX recorded them when it traced.
+"""
+
+from __future__ import annotations
+
+import codecs
+import dataclasses
+import functools
+import importlib.util
+import os
+import sys
+import sysconfig
+from pathlib import PurePath
+
+# Frames inside these installed packages are never the user's.
+LIBRARIES = ("jax", "jaxlib", "flax", "optax", "numpy")
+# shardlint's machinery; its `moe` and `examples` are model code that users run, and stay.
+_MACHINERY_PACKAGES = ("analyzer", "rewrites", "gate", "reports", "commands")
+_MACHINERY_MODULES = ("cli.py", "pytest_plugin.py", "testing.py")
+_INSTALL_DIRS = ("site-packages", "dist-packages")
+_TABLES = ("FileNames", "FunctionNames", "FileLocations", "StackFrames")
+
+
+@dataclasses.dataclass(frozen=True)
+class SourceLocation:
+    file: str
+    line: int
+    function: str = ""
+
+
+def parse_stack_frames(lines: list[str]) -> dict[int, tuple[SourceLocation, ...]]:
+    """Maps each `stack_frame_id` of a module's tables to its stack, innermost frame first."""
+    tables: dict[str, dict[int, str]] = {}
+    section = None
+    for line in lines:
+        stripped = line.strip()
+        if stripped in _TABLES:
+            section = stripped
+            tables[section] = {}
+            continue
+        if section is None:
+            continue
+        number, _, rest = stripped.partition(" ")
+        if not number.isdigit():
+            if stripped:
+                section = None  # the first computation ends the tables
+            continue
+        tables[section][int(number)] = rest
+    files = {k: _unquote(v) for k, v in tables.get("FileNames", {}).items()}
+    functions = {k: _unquote(v) for k, v in tables.get("FunctionNames", {}).items()}
+    locations = {}
+    for k, v in tables.get("FileLocations", {}).items():
+        row = _fields(v)
+        locations[k] = SourceLocation(files.get(row.get("file_name_id", 0), ""), row.get("line", 0),
+                                      functions.get(row.get("function_name_id", 0), ""))
+    rows = {k: _fields(v) for k, v in tables.get("StackFrames", {}).items()}
+    # XLA prints `parent_frame_id` as the proto's value plus one (HloModule::Print in XLA of
+    # JAX 0.10.2 and 0.12.0.1), so a root frame (parent 0) prints 1. A printer that wrote the
+    # proto's value as it is would print 0 for the first frame, which is always a root.
+    shift = 0 if any(r.get("parent_frame_id") == 0 for r in rows.values()) else 1
+    stacks: dict[int, tuple[SourceLocation, ...]] = {}
+    for k in rows:
+        stack, seen, frame = [], set(), k
+        while frame in rows and frame not in seen:
+            seen.add(frame)
+            location = locations.get(rows[frame].get("file_location_id", 0))
+            if location is not None:
+                stack.append(location)
+            frame = rows[frame].get("parent_frame_id", 0) - shift
+        stacks[k] = tuple(stack)
+    return stacks
+
+
+def user_stack(stack: tuple[SourceLocation, ...]) -> tuple[SourceLocation, ...]:
+    """The frames of a stack that are the user's code; the innermost frame if none is."""
+    kept = tuple(frame for frame in stack if not is_library_file(frame.file))
+    return kept or tuple(stack[:1])
+
+
+@functools.lru_cache(maxsize=65536)
+def is_library_file(file: str) -> bool:
+    """Whether a file belongs to JAX and its libraries, the standard library, or shardlint's
+    own machinery (not its `moe` and `examples`, which are model code)."""
+    if file.startswith("<frozen "):
+        return True  # the standard library's frozen modules (`<frozen runpy>`)
+    if not os.path.isabs(file):
+        return False
+    path = PurePath(os.path.normpath(file))
+    shardlint_dir, library_dirs, stdlib_dir = _installed()
+    if any(path.is_relative_to(d) for d in library_dirs):
+        return True
+    if path.is_relative_to(shardlint_dir):
+        return _is_machinery(path.relative_to(shardlint_dir).parts)
+    parts = path.parts
+    installed = [i for i, part in enumerate(parts) if part in _INSTALL_DIRS]
+    if installed:  # an installed package, maybe of another environment than this one
+        inside = parts[installed[-1] + 1:]
+        if inside and inside[0] in LIBRARIES:
+            return True
+        return len(inside) > 1 and inside[0] == "shardlint" and _is_machinery(inside[1:])
+    return path.is_relative_to(stdlib_dir) or _looks_like_stdlib(parts)
+
+
+def display_path(file: str) -> str:
+    """A file as a user reads it: relative to the working directory when it lies under it
+    (unless that path runs through an installed package folder, as a virtual environment
+    inside the project does), else to the longest `sys.path` entry that holds it
+    (`.../site-packages/maxtext/layers/moe.py` is `maxtext/layers/moe.py`), else as it is."""
+    return _display(file, os.getcwd(), tuple(sys.path))
+
+
+@functools.lru_cache(maxsize=65536)
+def _display(file: str, cwd: str, entries: tuple[str, ...]) -> str:
+    if not os.path.isabs(file):
+        return file
+    path = PurePath(os.path.normpath(file))
+    here = PurePath(cwd)
+    if path.is_relative_to(here):
+        inside = path.relative_to(here)
+        if not any(part in _INSTALL_DIRS for part in inside.parts):
+            return str(inside)
+    roots = [PurePath(os.path.normpath(e)) for e in entries if e and os.path.isabs(e)]
+    holding = [r for r in roots if path.is_relative_to(r) and path != r]
+    if holding:
+        return str(path.relative_to(max(holding, key=lambda r: len(r.parts))))
+    return str(path.relative_to(here)) if path.is_relative_to(here) else file
+
+
+def format_frames(stack: tuple[SourceLocation, ...], n: int = 2) -> str:
+    """The n innermost frames of a stack (given innermost first) as one line: the outermost
+    of them first, then `via` the helpers it called, `layers/moe.py:3969 via
+    utils/sharding.py:128`; one frame prints as `file:line`."""
+    shown = [f"{display_path(f.file)}:{f.line}" for f in stack[:max(n, 1)]]
+    return " via ".join(reversed(shown))
+
+
+@functools.lru_cache(maxsize=None)
+def _installed() -> tuple[PurePath, tuple[PurePath, ...], PurePath]:
+    """shardlint's package folder, the folders of the libraries, and the standard library."""
+    library_dirs = []
+    for name in LIBRARIES:
+        spec = importlib.util.find_spec(name)
+        for folder in (spec.submodule_search_locations or []) if spec else []:
+            library_dirs.append(PurePath(os.path.normpath(os.path.realpath(folder))))
+            library_dirs.append(PurePath(os.path.normpath(folder)))
+    shardlint_dir = PurePath(os.path.normpath(os.path.dirname(os.path.dirname(__file__))))
+    stdlib_dir = PurePath(os.path.normpath(sysconfig.get_paths()["stdlib"]))
+    return shardlint_dir, tuple(dict.fromkeys(library_dirs)), stdlib_dir
+
+
+def _is_machinery(parts: tuple[str, ...]) -> bool:
+    if not parts:
+        return False
+    if len(parts) == 1:
+        return parts[0].startswith("_") or parts[0] in _MACHINERY_MODULES
+    return parts[0] in _MACHINERY_PACKAGES
+
+
+def _looks_like_stdlib(parts: tuple[str, ...]) -> bool:
+    # `.../lib/python3.12/contextlib.py` of another interpreter than this one.
+    return any(parts[i] == "lib" and parts[i + 1].startswith("python")
+               and parts[i + 1][len("python"):].replace(".", "").isdigit()
+               for i in range(len(parts) - 2))
+
+
+def _unquote(text: str) -> str:
+    """A name as XLA prints it: in double quotes, C-escaped (absl::CEscape of UTF-8 bytes)."""
+    text = text.strip()
+    if len(text) >= 2 and text[0] == text[-1] == '"':
+        text = text[1:-1]
+        if "\\" in text:
+            text = codecs.escape_decode(text.encode())[0].decode("utf-8", "replace")
+    return text
+
+
+def _fields(text: str) -> dict[str, int]:
+    """`{file_name_id=1 function_name_id=2 line=17}` as a dict of ints."""
+    fields = {}
+    for item in text.strip().strip("{}").split():
+        key, _, value = item.partition("=")
+        if value.lstrip("-").isdigit():
+            fields[key] = int(value)
+    return fields
