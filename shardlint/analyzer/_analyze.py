@@ -1,4 +1,4 @@
-"""`analyze(fn, *args)`: lower, compile, parse, graph, detect; one compile, one result."""
+"""`analyze(fn, *args)`: lower, compile, parse, graph, explain; one compile, one result."""
 
 from __future__ import annotations
 
@@ -7,8 +7,10 @@ from typing import Callable
 import jax
 import jaxlib
 
+from ._causes import explain
 from ._collectives import collectives_of
 from ._compile import compile_step
+from ._dataflow import input_marks
 from ._detect import find_lost_sharding
 from ._graph import build_graph
 from ._hlo import parse_hlo
@@ -16,25 +18,37 @@ from ._model import Analysis, Memory
 from ._topology import libtpu_version
 
 
-def analyze(fn: Callable, *args, mesh=None, progress: Callable[[str], None] | None = None) -> Analysis:
+def analyze(fn: Callable, *args, mesh=None, params_argnums: tuple[int, ...] | None = None,
+            progress: Callable[[str], None] | None = None) -> Analysis:
     """Analyzes the step `fn(*args)` on the mesh its arguments' NamedShardings name.
 
     Arguments are arrays or `jax.ShapeDtypeStruct`s carrying `NamedSharding`s; nothing is
-    executed. Returns the collectives of the partitioned program, the places where XLA's
-    propagated sharding drops a mesh axis (findings), and per-device memory.
+    executed. `fn` may be a plain function, a `jax.jit` (its shardings and donation are
+    kept) or an `nnx.jit` step. Returns every collective of the partitioned program with
+    its cause, the findings (activations gathered over an axis that sharded them, nobody
+    asking), what the user asked for, and per-device memory.
+
+    `params_argnums` names the positional arguments that hold parameters (and optimizer
+    state): gathers of values derived from them alone are `weights`. By default they are
+    the arguments, but the last, that the step returns with the same shapes.
     """
-    compiled = compile_step(fn, args, mesh=mesh, progress=progress)
+    compiled = compile_step(fn, args, mesh=mesh, progress=progress, params_argnums=params_argnums)
     if progress:
         progress("reading XLA's propagated shardings and collectives")
     partitioned = parse_hlo(compiled.partitioned_hlo)
     collectives = collectives_of(partitioned, compiled.mesh)
-    findings, requested = (), ()
+    marks = input_marks(partitioned, compiled.entry_marks)
+    drops, requested, graph = (), (), None
     if compiled.propagated_hlo is not None:
-        graph = build_graph(parse_hlo(compiled.propagated_hlo), compiled.mesh)
-        graph.graph["grouped_matmul_sources"] = compiled.grouped_matmul_sources
-        graph.graph["asked_lines"] = frozenset(
+        graph = build_graph(parse_hlo(compiled.propagated_hlo), compiled.mesh,
+                            compiled.grouped_matmul_sources)
+        asked_lines = frozenset(
             (a.file, a.line) for a in compiled.asked if a.op in ("sharding_constraint", "reshard"))
-        findings, requested, collectives = find_lost_sharding(graph, compiled.mesh, collectives)
+        drops, requested, collectives = find_lost_sharding(graph, compiled.mesh, collectives,
+                                                           asked_lines)
+    collectives, findings, requested = explain(
+        collectives, partitioned, marks, drops, requested, compiled.asked, graph,
+        compiled.remats, compiled.mesh.as_dict())
     return Analysis(
         mesh=compiled.mesh.as_dict(),
         memory=_memory(compiled),

@@ -1,11 +1,11 @@
-"""Which collectives each finding caused, and which the user asked for.
+"""Which collectives each propagation drop caused.
 
 XLA's own label on a collective changes across versions (JAX 0.12 labels a gathered
 argument with its name and joins merged op names with ';'), so a finding claims an
 all-gather first by that label (the same op path and line), then by what the gather is:
 over a lost axis, its per-device result is the operand with that axis gathered, and it
-is labelled (or read) next to the op. Gathers placed next to a sharding constraint are
-requested; a collective a finding caused is attributed to the finding's op.
+is labelled (or read) next to the op. A collective a finding caused is attributed to the
+finding's op.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import math
 
 from ._devices import MeshInfo
 from ._graph import around, dims_of, sharding_of, source_of
-from ._model import Collective, Requested
+from ._model import Collective
 
 
 def attribute(collectives, findings) -> tuple[Collective, ...]:
@@ -26,30 +26,6 @@ def attribute(collectives, findings) -> tuple[Collective, ...]:
         dataclasses.replace(c, source=cause[c.id].source, op_path=cause[c.id].op_path)
         if c.id in cause else c
         for c in collectives)
-
-
-def requested_gathers(graph, constraints, collectives, linked, requested) -> list[Requested]:
-    """All-gathers XLA placed for a sharding constraint (or next to it, e.g. gathering
-    the input of the K/V projections once rather than K and V): asked for, not lost."""
-    seen = {(r.source.file, r.source.line) for r in requested if r.source}
-    found = []
-    for node in constraints:
-        data = graph.nodes[node]
-        if data["source"] is None:
-            continue
-        where = (data["source"].file, data["source"].line)
-        # Gathers labelled at an op already listed as requested are explained there.
-        lines = nearby_lines(graph, node, radius=1) - seen
-        axes = tuple(dict.fromkeys(a for c in collectives if c.kind == "all-gather" and c.id not in linked
-                                   and any(s is not None and (s.file, s.line) in lines
-                                           for s in (c.xla_source, c.source))
-                                   and not any(s is not None and (s.file, s.line) in seen
-                                               for s in (c.xla_source, c.source))
-                                   for a in c.axes))
-        if axes and where not in seen:
-            seen.add(where)
-            found.append(Requested("sharding_constraint", axes, source_of(graph, node), data["op_path"]))
-    return found
 
 
 def link(graph, raw, mesh: MeshInfo, collectives) -> dict[str, set[str]]:
@@ -65,7 +41,7 @@ def link(graph, raw, mesh: MeshInfo, collectives) -> dict[str, set[str]]:
     claimed: set[str] = set()
     for node, *_ in raw:
         data = graph.nodes[node]
-        src = data["source"]
+        src = source_of(graph, node)
         for c in collectives:
             if (c.kind == "all-gather" and src is not None and c.xla_source is not None
                     and (c.xla_source.file, c.xla_source.line) == (src.file, src.line)
@@ -86,7 +62,8 @@ def link(graph, raw, mesh: MeshInfo, collectives) -> dict[str, set[str]]:
         def preference(node):
             data = graph.nodes[node]
             same_transform = _transform(data["op_path"]) == _transform(c.xla_op_path)
-            same_line = data["source"] is not None and c.source is not None and data["source"].line == c.source.line
+            src = source_of(graph, node)
+            same_line = src is not None and c.source is not None and src.line == c.source.line
             return (not same_transform, not same_line)
 
         links[min(fits, key=preference)].add(c.id)
@@ -95,7 +72,7 @@ def link(graph, raw, mesh: MeshInfo, collectives) -> dict[str, set[str]]:
 
 def nearby_lines(graph, node, radius: int = 2) -> set[tuple[str, int]]:
     """Source lines of the ops within `radius` edges of `node` (producers and users)."""
-    return {(s.file, s.line) for s in (graph.nodes[n]["source"] for n in around(graph, node, radius))
+    return {(s.file, s.line) for s in (source_of(graph, n) for n in around(graph, node, radius))
             if s is not None}
 
 

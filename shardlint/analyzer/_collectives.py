@@ -12,7 +12,10 @@ across versions (JAX 0.12 labels a gather of an argument with the argument's nam
 `op_path`/`source` attribute it to the op that needs it: an all-gather or all-to-all to
 the first real op that reads its result, a reduction to the op that produced the partial
 sums (XLA's label). The analysis then moves collectives caused by a finding to the
-finding's op.
+finding's op, and `_causes.py` says why each one is there.
+
+A collective in a while body runs once per iteration: `trips` is the product of the
+known trip counts of the loops around it (None when XLA does not know one).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from __future__ import annotations
 from ._devices import MeshInfo, axes_of_groups, axes_of_pairs, parse_replica_groups
 from ._hlo import ArrayType, HloModule, Instruction
 from ._model import Collective, Source
+from ._stack import display_path, user_stack
 
 KINDS = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute",
          "ragged-all-to-all", "collective-broadcast")
@@ -33,22 +37,78 @@ _READ_BY_CONSUMER = {"all-gather", "all-to-all", "ragged-all-to-all", "collectiv
 
 def collectives_of(module: HloModule, mesh: MeshInfo) -> tuple[Collective, ...]:
     loop_bodies = _loop_bodies(module)
+    trips = executions(module)
     users = _users(module)
     found = []
     for instr in module.instructions():
         kind, is_async = _kind(instr.opcode)
         if kind is None:
             continue
-        consumer = _consumer(instr, users) if kind in _READ_BY_CONSUMER else None
-        found.append(_collective(instr, kind, is_async, mesh, instr.computation in loop_bodies, consumer))
+        consumer = None
+        if kind in _READ_BY_CONSUMER:
+            consumer = _needing(instr, users, module) or _consumer(instr, users)
+        found.append(_collective(instr, kind, is_async, mesh, instr.computation in loop_bodies, consumer,
+                                 trips.get(instr.computation, 1)))
     return tuple(found)
+
+
+def executions(module: HloModule) -> dict[str, int | None]:
+    """How often each computation runs per step: the product of the known trip counts of
+    the while loops around it (None once one of them is unknown)."""
+    counts: dict[str, int | None] = {module.entry.name: 1}
+    pending = [module.entry.name]
+    while pending:
+        comp = module.computations.get(pending.pop())
+        if comp is None:
+            continue
+        mine = counts[comp.name]
+        for instr in comp.instructions:
+            trip = instr.known_trip_count if instr.opcode == "while" else 1
+            inner = None if mine is None or trip is None else mine * trip
+            for callee in instr.called:
+                if callee not in counts:
+                    counts[callee] = inner
+                    pending.append(callee)
+    return counts
+
+
+# Ops that need a whole dimension, as JAX names them: propagation drops (reshape, sort,
+# top_k, cumulative ops) and ops XLA's partitioner cannot split along a sharded dimension.
+NEEDS_WHOLE = {"reshape", "sort", "argsort", "top_k", "cumsum", "cumprod", "cummax", "cummin",
+               "cumlogsumexp", "scatter", "scatter-add", "scatter_add", "scatter-mul",
+               "scatter-min", "scatter-max", "gather", "dynamic_slice", "dynamic_update_slice",
+               "reduce_window", "reduce_window_sum", "reduce_window_max", "custom_call",
+               "pallas_call", "ragged_dot", "ragged_dot_general", "segment_sum"}
+
+
+def _needed_by(instr: Instruction, consumer: Instruction | None) -> str:
+    """The op that needed the collective: XLA's label (the op it was partitioning) when that
+    op needs a whole dimension, else the first op reading the result when that one does,
+    else XLA's label (gathers placed where a value is made, for an op further on)."""
+    own = primitive_of(instr.op_name)
+    if own in NEEDS_WHOLE or consumer is None:
+        return own
+    theirs = primitive_of(consumer.op_name)
+    return theirs if theirs in NEEDS_WHOLE or not own else own
+
+
+def primitive_of(op_path: str) -> str:
+    """The JAX primitive an op path ends in: `jit(step)/jvp()/scatter-add` -> `scatter-add`.
+
+    XLA joins the names of merged ops with ';' (JAX 0.12): the first one names it. A path
+    without '/' is an argument's name (JAX 0.12 labels a gathered argument so): no op."""
+    first = op_path.split(";", 1)[0]
+    if "/" not in first:
+        return ""
+    last = first.rsplit("/", 1)[1]
+    return last.split("(", 1)[0].strip(")") or last
 
 
 def _users(module: HloModule) -> dict[str, list[Instruction]]:
     users: dict[str, list[Instruction]] = {}
     for instr in module.instructions():
         for operand in instr.operands:
-            users.setdefault(operand.partition("#")[0], []).append(instr)
+            users.setdefault(operand, []).append(instr)
     return users
 
 
@@ -70,6 +130,36 @@ def _consumer(instr: Instruction, users) -> Instruction | None:
     return None
 
 
+def _needing(instr: Instruction, users, module: HloModule, hops: int = 6) -> Instruction | None:
+    """The nearest op reading the collective's result (within `hops` ops) that needs a whole
+    dimension, looking inside fusions: the op the gather was placed for."""
+    frontier, seen = [instr], {instr.name}
+    for _ in range(hops):
+        nxt = []
+        for node in frontier:
+            for user in users.get(node.name, ()):
+                if user.name in seen:
+                    continue
+                seen.add(user.name)
+                if _op_needing_whole(user, module) is not None:
+                    return _op_needing_whole(user, module)
+                nxt.append(user)
+        frontier = nxt
+    return None
+
+
+def _op_needing_whole(instr: Instruction, module: HloModule) -> Instruction | None:
+    if primitive_of(instr.op_name) in NEEDS_WHOLE and instr.opcode not in _PASS_THROUGH:
+        return instr
+    if instr.opcode == "fusion":
+        for callee in instr.called:
+            comp = module.computations.get(callee)
+            for inner in comp.instructions if comp else ():
+                if primitive_of(inner.op_name) in NEEDS_WHOLE and inner.opcode not in _PASS_THROUGH:
+                    return inner
+    return None
+
+
 def _kind(opcode: str) -> tuple[str | None, bool]:
     if opcode.endswith("-done"):
         return None, False
@@ -78,20 +168,23 @@ def _kind(opcode: str) -> tuple[str | None, bool]:
 
 
 def _collective(instr: Instruction, kind: str, is_async: bool, mesh: MeshInfo,
-                in_loop: bool, consumer: Instruction | None) -> Collective:
+                in_loop: bool, consumer: Instruction | None, trips: int | None) -> Collective:
     outputs = _outputs(instr, kind, is_async)
     result_bytes = sum(a.nbytes for a in outputs)
     if kind == "collective-permute":
-        axes = axes_of_pairs(mesh, instr.attrs.get("source_target_pairs", ""))
+        axes = axes_of_pairs(mesh, instr.source_target_pairs)
         group = 2
     else:
-        groups = parse_replica_groups(instr.attrs.get("replica_groups", "{}"), mesh.num_devices)
+        groups = parse_replica_groups(instr.replica_groups, mesh.num_devices)
         axes = axes_of_groups(mesh, groups)
         group = len(groups[0]) if groups else mesh.num_devices
         if axes is None:
             axes = (f"?{group}",)
     own = instr.source
     src = consumer.source if consumer is not None else own
+    stack = user_stack(consumer.stack if consumer is not None else instr.stack)
+    own_stack = user_stack(instr.stack)
+    needed_by = _needed_by(instr, consumer)
     return Collective(
         id=instr.name,
         kind=kind,
@@ -100,16 +193,19 @@ def _collective(instr: Instruction, kind: str, is_async: bool, mesh: MeshInfo,
         result_bytes=result_bytes,
         shape=", ".join(str(a) for a in outputs),
         op_path=consumer.op_name if consumer is not None else instr.op_name,
-        source=_source(src),
+        source=_source(stack[0]) if stack else _source(src),
         is_async=is_async,
         in_loop=in_loop,
         xla_op_path=instr.op_name,
-        xla_source=_source(own),
+        xla_source=_source(own_stack[0]) if own_stack else _source(own),
+        needed_by=needed_by,
+        stack=tuple(_source(f) for f in stack),
+        trips=trips,
     )
 
 
 def _source(src) -> Source | None:
-    return Source(src.file, src.line, src.function) if src else None
+    return Source(display_path(src.file), src.line, src.function) if src else None
 
 
 def _outputs(instr: Instruction, kind: str, is_async: bool) -> tuple[ArrayType, ...]:

@@ -3,13 +3,16 @@
 One compile yields all the analysis reads: the HLO right after sharding propagation
 (XLA's own propagated shardings, from a per-compile dump into a temporary folder that is
 removed afterwards), the partitioned and optimised HLO with every collective,
-`memory_analysis()` and `cost_analysis()`. The dump is restricted to the propagation pass
-so the overhead over a bare compile stays small (see benchmarks/analysis_overhead.py).
+`memory_analysis()`, `cost_analysis()`, and what XLA's partitioner logged on C++ stderr.
+The dump is restricted to the propagation pass so the overhead over a bare compile stays
+small (see benchmarks/analysis_overhead.py).
+
+The compile never touches JAX's persistent compilation cache: its key ignores the dump
+options, so a hit would skip the passes whose output the analysis reads.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
 import re
@@ -20,15 +23,22 @@ from typing import Any, Callable
 import jax
 from jax.sharding import NamedSharding
 
+from .. import _jax
 from .._errors import AnalysisError
+from ._dataflow import DATA, WEIGHTS
 from ._devices import MeshInfo
 from ._jaxpr import grouped_matmul_sources
 from ._stablehlo import Asked, asked_for
 from ._topology import check_libtpu, topology_of
+from ._xla_log import Remat, captured_stderr, involuntary_rematerializations
 
 # Shardy exports its result to HLO as `after_shardy-xla`; GSPMD's pass is
 # `sharding-propagation` (run more than once; the last run is XLA's final answer).
 _PROPAGATION_PASSES = "shardy-xla|sharding-propagation"
+# Per-compile options override XLA_FLAGS: a module filter set there (MaxText's config sets
+# `--xla_dump_hlo_module_re=jit_train_step`) must not hide this step's module.
+_DUMP_OPTIONS = {"xla_dump_hlo_pass_re": _PROPAGATION_PASSES, "xla_dump_hlo_module_re": ".*",
+                 "xla_dump_hlo_as_text": True}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,6 +53,9 @@ class Compiled:
     grouped_matmul_sources: frozenset
     asked: tuple[Asked, ...] = ()
     topology: str | None = None      # TPU topology of compile-only devices (libtpu AOT)
+    entry_marks: dict[int, int] = dataclasses.field(default_factory=dict)  # parameter -> DATA/WEIGHTS
+    remats: tuple[Remat, ...] = ()   # "Involuntary full rematerialization" logged by XLA
+    mesh_object: Any = None          # the jax.sharding.Mesh the arguments live on
 
 
 def mesh_of(args) -> Any:
@@ -63,18 +76,18 @@ def mesh_of(args) -> Any:
     return next(iter(meshes.values()))[0]
 
 
-def compile_step(fn: Callable, args: tuple, mesh=None, progress=None) -> Compiled:
+def compile_step(fn: Callable, args: tuple, mesh=None, progress=None,
+                 params_argnums: tuple[int, ...] | None = None) -> Compiled:
     mesh = mesh if mesh is not None else mesh_of(args)
     info = MeshInfo.from_mesh(mesh)
     topology = topology_of(mesh.devices.flat)
     if topology is not None:
         check_libtpu()  # a mismatched libtpu fails inside the compiler with a RET_CHECK
-    jitted = fn if hasattr(fn, "lower") else jax.jit(fn)
     dump_dir = tempfile.mkdtemp(prefix="shardlint-")
     try:
-        with _mesh_context(mesh):
+        with _jax.set_mesh(mesh):
             try:
-                traced = jitted.trace(*args)
+                traced = _jax.trace(fn, args)
                 lowered = traced.lower()
                 asked = asked_for(lowered.compiler_ir("stablehlo"))
             except Exception as e:  # the user's code raised while tracing
@@ -83,8 +96,8 @@ def compile_step(fn: Callable, args: tuple, mesh=None, progress=None) -> Compile
                 progress(f"compiling for {info.num_devices} devices on mesh {info.as_dict()}"
                          + (f" with the TPU compiler for {topology}" if topology else ""))
             try:
-                compiled = lowered.compile(compiler_options={
-                    "xla_dump_to": dump_dir, "xla_dump_hlo_pass_re": _PROPAGATION_PASSES})
+                with _jax.persistent_cache_off(), captured_stderr() as log:
+                    compiled = lowered.compile(compiler_options=_DUMP_OPTIONS | {"xla_dump_to": dump_dir})
             except Exception as e:
                 raise AnalysisError(f"XLA could not compile the step on mesh "
                                     f"{info.as_dict()}: {type(e).__name__}: {e}") from e
@@ -105,14 +118,41 @@ def compile_step(fn: Callable, args: tuple, mesh=None, progress=None) -> Compile
         grouped_matmul_sources=grouped_matmul_sources(traced.jaxpr),
         asked=asked,
         topology=topology,
+        entry_marks=_entry_marks(traced, lowered, params_argnums),
+        remats=involuntary_rematerializations(log.text),
+        mesh_object=mesh,
     )
 
 
-def _mesh_context(mesh):
-    # Code that names PartitionSpecs without a mesh (with_sharding_constraint(x, P(...)))
-    # needs the mesh in context, as it has in the user's own training loop.
-    set_mesh = getattr(jax, "set_mesh", None)
-    return set_mesh(mesh) if set_mesh is not None else contextlib.nullcontext()
+def _entry_marks(traced, lowered, params_argnums) -> dict[int, int]:
+    """Entry parameter number -> DATA or WEIGHTS, by the argument it holds.
+
+    The parameters are the positional arguments in `params_argnums`; when it is None they
+    are inferred as a training step returns them: every argument but the last whose
+    floating-point leaves come back as outputs of the same shape and dtype (updated
+    parameters or optimizer state, or their gradients). The last argument (the batch) is
+    always data, and so is anything not inferred: calling a weight an activation costs a
+    false finding, calling an activation a weight would hide a lost gather.
+    """
+    outputs = {(tuple(a.shape), str(a.dtype)) for a in traced.jaxpr.out_avals}
+    # The positional arguments as the jitted function received them (for nnx.jit, the
+    # graph nodes' states), each as its flat leaves.
+    positional = traced.args_info[0]
+    leaves_per_arg = [jax.tree_util.tree_leaves(a) for a in positional]
+    if params_argnums is None:
+        params_argnums = tuple(
+            i for i, leaves in enumerate(leaves_per_arg[:-1])
+            if any(_is_float(x) for x in leaves)
+            and all((tuple(x.shape), str(x.dtype)) in outputs for x in leaves if _is_float(x)))
+    marks = [WEIGHTS if i in params_argnums else DATA
+             for i, leaves in enumerate(leaves_per_arg) for _ in leaves]
+    kept = _jax.kept_argument_indices(lowered, len(marks))
+    return {number: marks[index] for number, index in enumerate(kept) if index < len(marks)}
+
+
+def _is_float(leaf) -> bool:
+    dtype = getattr(leaf, "dtype", None)
+    return dtype is not None and jax.numpy.issubdtype(dtype, jax.numpy.floating)
 
 
 def _read_propagated(dump_dir: str, num_devices: int) -> str | None:

@@ -1,14 +1,14 @@
-"""Detectors: where XLA's propagated sharding drops a mesh axis, and what that costs.
+"""Propagation drops: where XLA's propagated sharding drops a mesh axis, and what that costs.
 
-A finding is an op whose operand dimension is sharded over mesh axis A while XLA's own
+A drop is an op whose operand dimension is sharded over mesh axis A while XLA's own
 propagated result leaves the corresponding result dimension without A: a reshape that
 merges `(batch, seq)` with `seq` sharded, or a sort, top_k or cumsum over a sharded
 dimension. Dimension correspondence is shape algebra (which operand dims a reshape merges
 or splits); the shardings are always XLA's. A drop that the user asked for (a sharding
-constraint, shard_map specs) is listed as requested instead.
+constraint whose asked result lacks the axis) is listed as requested instead.
 
-Which collectives each finding caused, and which gathers the user asked for, is decided
-in `_attribution.py`.
+Which gathers each drop caused is decided in `_attribution.py`; why every other collective
+is there, in `_causes.py`.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ import collections
 import networkx as nx
 
 from ._devices import MeshInfo, Sharding
-from ._attribution import attribute, link, requested_gathers
-from ._graph import around, dims_of, operand_of, sharding_of, source_of
+from ._attribution import attribute, link
+from ._graph import around, dims_of, operand_of, sharding_of, source_of, user_stack_of
 from ._model import Collective, Finding, GraphNode, Neighbourhood, Requested
 
 _LAYOUT_OPS = {"convert", "copy", "bitcast", "reshape", "transpose", "get-tuple-element",
@@ -29,27 +29,29 @@ _CONSTRAINT_OP_NAMES = {"sharding_constraint", "reshard"}
 _GMM_TARGET_WORDS = ("gmm", "ragged", "grouped", "megablox", "tgmm")
 
 
-def find_lost_sharding(graph: nx.DiGraph, mesh: MeshInfo, collectives: tuple[Collective, ...]):
-    """Returns (findings, requested reshardings, collectives with causes attributed)."""
+def find_lost_sharding(graph: nx.DiGraph, mesh: MeshInfo, collectives: tuple[Collective, ...],
+                       asked_lines: frozenset = frozenset()):
+    """Returns (drop findings, requested reshardings, collectives attributed to the drops).
+
+    `asked_lines` are the (file, line) pairs where the lowered program asks for a sharding:
+    Shardy may export such a constraint as a plain copy."""
     findings, requested = [], []
-    raw, constraints = [], []
+    raw = []
     for node, data in graph.nodes(data=True):
-        op = _op_label(data, graph.graph.get("asked_lines", ()))
+        op = _op_label(data, asked_lines)
         if op is None:
             continue
-        if op == "sharding_constraint":
-            constraints.append(node)
         hit = _lost_axes(graph, node, op)
         if hit is None:
             continue
         lost, operand, element = hit
-        if op == "sharding_constraint" or _constrained(graph, node):
-            requested.append(Requested(op, lost, source_of(graph, node), data["op_path"]))
+        if op == "sharding_constraint" or _constrained(graph, node, asked_lines):
+            requested.append(Requested(op, lost, source_of(graph, node), data["op_path"],
+                                       user_stack_of(data["instr"], as_sources=True),
+                                       sharding_of(graph, node).dims))
             continue
         raw.append((node, op, lost, operand, element))
     links = link(graph, raw, mesh, collectives)
-    linked = set().union(*links.values()) if links else set()
-    requested += requested_gathers(graph, constraints, collectives, linked, requested)
     for node, op, lost, operand, element in raw:
         linked = links.get(node, set())
         nbytes = sum(c.bytes for c in collectives if c.id in linked)
@@ -67,11 +69,11 @@ def _op_label(data, asked_lines=()) -> str | None:
         return "reshape"
     if opcode == "sort":
         return "sort"
-    if opcode == "topk" or (opcode == "custom-call" and "TopK" in data["instr"].attrs.get("custom_call_target", "")):
+    if opcode == "topk" or (opcode == "custom-call" and "TopK" in data["instr"].custom_call_target):
         return "top_k"
     if opcode == "reduce-window":
         return "cumsum" if "cum" in data["op_path"] or "reduce_window" in data["op_path"] else "reduce-window"
-    if opcode == "custom-call" and data["instr"].attrs.get("custom_call_target", "").strip('"') in _CONSTRAINT_TARGETS:
+    if opcode == "custom-call" and data["instr"].custom_call_target in _CONSTRAINT_TARGETS:
         return "sharding_constraint"  # GSPMD keeps the constraint as a custom call
     if opcode == "copy" and data["op_path"].rsplit("/", 1)[-1] in _CONSTRAINT_OP_NAMES:
         return "sharding_constraint"  # Shardy exports it as a copy named after the JAX op
@@ -95,12 +97,12 @@ def _lost_axes(graph, node, op):
     if op == "reshape":
         pairs = reshape_groups(in_dims, out_dims)
     elif op == "sort":
-        dims = _int_list(graph.nodes[node]["instr"].attrs.get("dimensions", "{0}"))
+        dims = graph.nodes[node]["instr"].dimensions or (0,)
         pairs = [([d], [d]) for d in dims]
     elif op == "top_k":
         pairs = [([len(in_dims) - 1], [len(in_dims) - 1])]
     elif op in ("cumsum", "reduce-window"):
-        sizes = _window_sizes(graph.nodes[node]["instr"].attrs.get("window", ""))
+        sizes = graph.nodes[node]["instr"].window_sizes
         pairs = [([d], [d]) for d, s in enumerate(sizes) if s > 1]
     else:  # sharding_constraint: every dimension
         pairs = [([d], [d]) for d in range(len(in_dims))]
@@ -140,7 +142,7 @@ def reshape_groups(a: tuple[int, ...], b: tuple[int, ...]) -> list[tuple[list[in
     return groups
 
 
-def _constrained(graph, node) -> bool:
+def _constrained(graph, node, asked_lines) -> bool:
     """True when a sharding constraint right after the op asked for its sharding."""
     mine = sharding_of(graph, node)
     frontier = [node]
@@ -149,7 +151,7 @@ def _constrained(graph, node) -> bool:
         for n in frontier:
             for user in graph.successors(n):
                 data = graph.nodes[user]
-                if _op_label(data, graph.graph.get("asked_lines", ())) == "sharding_constraint":
+                if _op_label(data, asked_lines) == "sharding_constraint":
                     if sharding_of(graph, user) == mine:
                         return True
                 elif data["opcode"] in ("copy", "convert", "bitcast"):
@@ -184,26 +186,24 @@ def is_grouped_matmul(graph: nx.DiGraph, node: str) -> bool:
     primitive, or a dispatch einsum batched over the expert dim of stacked weights.
 
     On XLA:CPU `jax.lax.ragged_dot` lowers to a masked dense `dot`, which the HLO alone
-    cannot tell from any other dot; the jaxpr can, so the analysis records the source lines
-    of `ragged_dot_general` equations in `graph.graph["grouped_matmul_sources"]`.
+    cannot tell from any other dot; the jaxpr can, so `build_graph` marks the dots at the
+    source lines of `ragged_dot_general` equations `grouped_matmul`.
     """
     data = graph.nodes[node]
     opcode = data["opcode"]
     if opcode in ("ragged-dot", "ragged_dot"):
         return True
     if opcode == "custom-call":
-        target = data["instr"].attrs.get("custom_call_target", "").lower()
+        target = data["instr"].custom_call_target.lower()
         return any(w in target for w in _GMM_TARGET_WORDS)
     if opcode != "dot":
         return False
-    src = data["source"]
-    if src is not None and (src.file, src.line) in graph.graph.get("grouped_matmul_sources", ()):
+    if data["grouped_matmul"]:
         return True
-    attrs = data["instr"].attrs
-    for position, side in ((0, "lhs"), (1, "rhs")):
+    instr = data["instr"]
+    for position, batch_dims in ((0, instr.lhs_batch_dims), (1, instr.rhs_batch_dims)):
         operand = operand_of(graph, node, position)
-        if (operand is not None and len(dims_of(graph, *operand)) == 3
-                and 0 in _int_list(attrs.get(f"{side}_batch_dims", "{}"))
+        if (operand is not None and len(dims_of(graph, *operand)) == 3 and 0 in batch_dims
                 and _from_parameter(graph, operand[0])):
             return True
     return False
@@ -245,7 +245,8 @@ def _finding(graph, node, op, lost, operand, element, feeds, ids, nbytes) -> Fin
                    "inside jax.shard_map, or over a dimension that is not sharded")
     return Finding("lost-sharding", op, lost, feeds, source_of(graph, node), data["op_path"], before, after,
                    ids, nbytes, message, way_out, neighbourhood(graph, node),
-                   sharding_of(graph, operand, element).dims)
+                   sharding_of(graph, operand, element).dims, needed_by=op,
+                   stack=user_stack_of(data["instr"], as_sources=True))
 
 
 def neighbourhood(graph, node, radius: int = 2, limit: int = 14) -> Neighbourhood:
@@ -269,14 +270,3 @@ def describe(graph, node, element: int) -> str:
     for axes in sharding.dims:
         specs.append("None" if not axes else repr(axes[0]) if len(axes) == 1 else repr(tuple(axes)))
     return f"{array} P({', '.join(specs)})"
-
-
-def _int_list(text: str) -> list[int]:
-    return [int(x) for x in text.strip("{}").split(",") if x.strip()]
-
-
-def _window_sizes(text: str) -> list[int]:
-    for part in text.strip("{}").split():
-        if part.startswith("size="):
-            return [int(x) for x in part[5:].split("x")]
-    return []

@@ -212,8 +212,10 @@ def _printed_mesh(text: str) -> tuple[dict[str, int], set[str]]:
     start = text.index("mesh[") + 5
     end = text.index("]", start)
     ids = {n: int(s) for n, s in re.findall(r"'([^']+)'=(\d+)", text[start:end])}
-    after = text[end + 1:]
-    listed = set(re.findall(r"'([^']+)'", after.split("[")[0]))
+    # The axes a collective runs over are the last `{...}` after the mesh, which follows
+    # the device order when that is not the iota (`device_ids=[..]` or `device_ids=([..]T(..))`).
+    groups = re.findall(r"\{([^{}]*)\}", text[end + 1:])
+    listed = set(re.findall(r"'([^']+)'", groups[-1])) if groups else set()
     return ids, listed
 
 
@@ -222,6 +224,10 @@ def _iota_devices(text: str, shape: list[int]) -> np.ndarray:
     m = re.search(r"device_ids=\[([\d,\s]+)\]", text)
     if m:
         return np.array([int(x) for x in m.group(1).split(",")]).reshape(shape)
+    # A transposed iota, `device_ids=([2,2,2]T(1,0,2))` (JAX 0.10.2 on a 3-axis mesh).
+    m = re.search(r"device_ids=\(\[([\d,]+)\](?:T\(([\d,]+)\))?\)", text)
+    if m:
+        return _iota(m.group(1), m.group(2)).reshape(shape)
     return np.arange(math.prod(shape)).reshape(shape)
 
 

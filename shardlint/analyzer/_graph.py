@@ -11,11 +11,16 @@ from __future__ import annotations
 import networkx as nx
 
 from ._devices import MeshInfo, Sharding, parse_tuple_sharding
-from ._hlo import HloModule
+from ._hlo import HloModule, Instruction
 from ._model import Source
+from ._stack import display_path, user_stack
 
 
-def build_graph(module: HloModule, mesh: MeshInfo) -> nx.DiGraph:
+def build_graph(module: HloModule, mesh: MeshInfo,
+                grouped_matmul_sources: frozenset = frozenset()) -> nx.DiGraph:
+    """`grouped_matmul_sources`: (file, line) of the jaxpr's grouped-matmul equations; the
+    dots at those lines are marked `grouped_matmul` (XLA:CPU lowers `ragged_dot` to a
+    masked dense dot that the HLO alone cannot tell from any other)."""
     graph = nx.DiGraph()
     for instr in module.instructions():
         ranks = [len(a.dims) for a in instr.result]
@@ -32,15 +37,20 @@ def build_graph(module: HloModule, mesh: MeshInfo) -> nx.DiGraph:
             shardings=shardings,
             source=instr.source,
             op_path=instr.op_name,
+            grouped_matmul=instr.opcode == "dot" and instr.source is not None
+            and (instr.source.file, instr.source.line) in grouped_matmul_sources,
         )
     for instr in module.instructions():
-        for position, operand in enumerate(instr.operands):
+        for position, name in enumerate(instr.operands):
             # JAX 0.12 can name a tuple element directly as `%value#1`.
-            name, _, element = operand.partition("#")
             if name in graph:
                 graph.add_edge(name, instr.name, position=position,
-                               element=int(element) if element else None)
+                               element=_element(instr, position))
     return graph
+
+
+def _element(instr: Instruction, position: int) -> int | None:
+    return instr.operand_indices[position] if position < len(instr.operand_indices) else None
 
 
 def operand_of(graph: nx.DiGraph, node: str, position: int = 0) -> tuple[str, int] | None:
@@ -65,8 +75,26 @@ def dims_of(graph: nx.DiGraph, node: str, element: int = 0) -> tuple[int, ...]:
 
 
 def source_of(graph: nx.DiGraph, node: str) -> Source | None:
+    """The innermost of the op's user frames (its own frame when all are library frames)."""
+    stack = user_stack_of(graph.nodes[node]["instr"], as_sources=True)
+    if stack:
+        return stack[0]
     src = graph.nodes[node]["source"]
-    return Source(src.file, src.line, src.function) if src else None
+    return Source(display_path(src.file), src.line, src.function) if src else None
+
+
+def user_stack_of(instr: Instruction, as_sources: bool = False) -> tuple:
+    """The instruction's stack without library frames, innermost first; as `Source`s with
+    display paths when `as_sources`."""
+    frames = user_stack(instr.stack)
+    if not as_sources:
+        return frames
+    return tuple(Source(display_path(f.file), f.line, f.function) for f in frames)
+
+
+def stack_key(stack) -> tuple[tuple[str, int], ...]:
+    """A stack as comparable (display path, line) pairs, whatever record type holds it."""
+    return tuple((display_path(f.file), f.line) for f in stack)
 
 
 def around(graph: nx.DiGraph, node: str, radius: int) -> dict[str, int]:

@@ -1,9 +1,13 @@
 """What an analysis produces: frozen records that every consumer reads as they are.
 
-The terminal summary, the JSON document (`shardlint.analysis/1`), the HTML report and
+The terminal summary, the JSON document (`shardlint.analysis/2`), the HTML report and
 the CI gate all read these records; nothing downstream re-parses compiler text.
 `Analysis.to_json()` and `Analysis.from_json()` are exact inverses so that a saved
 analysis can be reported or gated later.
+
+Every collective carries a `cause` from a closed set (`CAUSES`), the op that needed it
+(`needed_by`) and the user's `stack` (innermost first, library frames dropped); `source`
+is the innermost frame of that stack.
 """
 
 from __future__ import annotations
@@ -11,7 +15,21 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-SCHEMA = "shardlint.analysis/1"
+SCHEMA = "shardlint.analysis/2"
+
+# Why a collective is in the partitioned program.
+LOST = "lost"            # an activation gathered / all-to-all'd over an axis that sharded it, unasked
+REQUESTED = "requested"  # a constraint, reshard, out_sharding or shard_map spec asked for it
+WEIGHTS = "weights"      # a gather of a parameter-derived value (FSDP / ZeRO)
+REDUCTION = "reduction"  # all-reduce / reduce-scatter of partial sums
+LAYOUT = "layout"        # all-to-all / collective-permute that the code asked for (EP, Ulysses)
+CAUSES = (LOST, REQUESTED, WEIGHTS, REDUCTION, LAYOUT)
+
+# How a finding's sharding was lost.
+DROPPED = "lost-sharding"                # propagation dropped the axis at the op (reshape, sort, ...)
+UNSPLIT = "unsplit-op"                   # the partitioner could not split the op: it gathered inputs
+REMATERIALIZED = "full-rematerialization"  # XLA logged an involuntary full rematerialization
+FINDING_KINDS = (DROPPED, UNSPLIT, REMATERIALIZED)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,13 +58,22 @@ class Collective:
     in_loop: bool = False        # inside a while body (executes once per iteration)
     xla_op_path: str = ""        # the op_name XLA itself attached (differs across versions)
     xla_source: Source | None = None
+    cause: str = ""              # one of CAUSES
+    needed_by: str = ""          # the op that needed it: reshape, scatter, top_k, dot_general, ...
+    stack: tuple[Source, ...] = ()  # the user's frames of that op, innermost first
+    trips: int | None = 1        # executions per step: a loop's trip count (None: unknown)
+
+    @property
+    def step_bytes(self) -> int:
+        """Bytes moved per device per step (a loop body's collective runs once per trip)."""
+        return self.bytes * (self.trips or 1)
 
 
 @dataclasses.dataclass(frozen=True)
 class Finding:
     """An op where XLA drops a mesh axis that its operand was sharded over."""
 
-    kind: str                    # "lost-sharding"
+    kind: str                    # FINDING_KINDS: how XLA lost the sharding
     op: str                      # reshape, sort, top_k, cumsum, ...
     axes: tuple[str, ...]        # mesh axes lost
     feeds_grouped_matmul: bool
@@ -60,6 +87,9 @@ class Finding:
     way_out: str
     neighbourhood: Neighbourhood | None = None
     operand_spec: tuple[tuple[str, ...], ...] = ()   # mesh axes per operand dim, as propagated
+    cause: str = LOST
+    needed_by: str = ""          # the op that needed the gathers (the finding's op, or its consumer)
+    stack: tuple[Source, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,9 +114,11 @@ class Requested:
     """A resharding the user asked for (sharding constraint, shard_map specs)."""
 
     op: str
-    axes: tuple[str, ...]
+    axes: tuple[str, ...]        # mesh axes the asked sharding drops
     source: Source | None
     op_path: str
+    stack: tuple[Source, ...] = ()
+    asked: tuple[tuple[str, ...], ...] = ()   # the asked sharding: mesh axes per dimension
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,6 +146,9 @@ class Analysis:
     def all_gathers(self) -> tuple[Collective, ...]:
         return tuple(c for c in self.collectives if c.kind == "all-gather")
 
+    def by_cause(self, cause: str) -> tuple[Collective, ...]:
+        return tuple(c for c in self.collectives if c.cause == cause)
+
     def to_json(self) -> dict[str, Any]:
         doc = dataclasses.asdict(self)
         doc = {"schema": SCHEMA, **doc}
@@ -122,26 +157,36 @@ class Analysis:
     @classmethod
     def from_json(cls, doc: dict[str, Any]) -> Analysis:
         if doc.get("schema") != SCHEMA:
-            raise ValueError(f"not a {SCHEMA} document (schema={doc.get('schema')!r})")
+            old = str(doc.get("schema", "")).startswith("shardlint.analysis/")
+            raise ValueError(
+                f"not a {SCHEMA} document (schema={doc.get('schema')!r})"
+                + ("; it was written by an older shardlint: analyze the step again to write "
+                   "the current schema" if old else ""))
 
         def src(d):
             return Source(**d) if d else None
+
+        def stack(frames):
+            return tuple(Source(**f) for f in frames or ())
 
         return cls(
             mesh=dict(doc["mesh"]),
             memory=Memory(**doc["memory"]),
             collectives=tuple(
                 Collective(**{**c, "axes": tuple(c["axes"]), "source": src(c["source"]),
-                              "xla_source": src(c.get("xla_source"))})
+                              "xla_source": src(c.get("xla_source")), "stack": stack(c.get("stack"))})
                 for c in doc["collectives"]),
             findings=tuple(
                 Finding(**{**f, "axes": tuple(f["axes"]), "collectives": tuple(f["collectives"]),
                            "source": src(f["source"]),
                            "neighbourhood": _neighbourhood(f.get("neighbourhood")),
-                           "operand_spec": tuple(tuple(d) for d in f.get("operand_spec", ()))})
+                           "operand_spec": tuple(tuple(d) for d in f.get("operand_spec", ())),
+                           "stack": stack(f.get("stack"))})
                 for f in doc["findings"]),
             requested=tuple(
-                Requested(**{**r, "axes": tuple(r["axes"]), "source": src(r["source"])})
+                Requested(**{**r, "axes": tuple(r["axes"]), "source": src(r["source"]),
+                             "stack": stack(r.get("stack")),
+                             "asked": tuple(tuple(d) for d in r.get("asked", ()))})
                 for r in doc["requested"]),
             versions=dict(doc["versions"]),
             partitioner=doc["partitioner"],

@@ -42,3 +42,15 @@ def marker_line(kind: str) -> int:
             if line.rstrip().endswith(f"# <- {kind}"):
                 return number
     raise LookupError(kind)
+
+
+def make_remat_step(mesh):
+    """A reshape whose operand and result shardings XLA cannot convert between: the
+    partitioner logs an involuntary full rematerialization (JAX 0.10.2 and 0.12.0.1)."""
+
+    def step(x):
+        y = x.reshape(6, 4, 40)  # <- remat reshape
+        return jax.lax.with_sharding_constraint(y, NamedSharding(mesh, P(None, mesh.axis_names[1], None)))
+
+    return step, (jax.ShapeDtypeStruct((24, 40), jnp.float32,
+                                       sharding=NamedSharding(mesh, P(mesh.axis_names[1], None))),)

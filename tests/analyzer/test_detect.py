@@ -53,12 +53,23 @@ def test_flatten_outside_shard_map_is_found_at_its_own_line(context):
 @pytest.mark.parametrize("context", CONTEXTS)
 def test_every_finding_of_the_naive_step_is_a_root_cause_op(context):
     analysis = _analysis("make_step", context)
-    assert {f.op for f in analysis.findings} <= {"reshape", "sort"}
+    # The flatten and the global argsort drop axes in the propagated module; XLA:CPU's
+    # partitioner also gathers the data-sharded router logits for its TopK custom call,
+    # which only the partitioned module shows.
+    assert {f.op for f in analysis.findings} <= {"reshape", "sort", "top_k"}
     sort_line = _line_of(steps._experts, "jnp.argsort")
+    top_k_line = _line_of(steps._route, "jax.lax.top_k")
     for f in analysis.findings:
+        assert f.cause == "lost" and f.needed_by == f.op
         if f.op == "sort":  # a global argsort over tokens that are sharded over data
             assert "data" in f.axes and set(f.axes) <= {"data", "context"}
             assert f.source.line == sort_line
+        if f.op == "top_k":
+            assert f.source.line == top_k_line and f.collectives
+    # Every gather of the step is a lost activation and is some finding's.
+    claimed = {cid for f in analysis.findings for cid in f.collectives}
+    for c in analysis.all_gathers():
+        assert c.cause == "lost" and c.id in claimed, c
 
 
 @pytest.mark.parametrize("context", CONTEXTS)
@@ -86,19 +97,22 @@ def test_split_heads_and_requested_kv_gather_are_not_findings(context):
     kv_lines = {_line_of(steps.attention_kv_gather, "k = (x_BSD"), _line_of(steps.attention_kv_gather, "v = (x_BSD")}
     assert {r.source.line for r in analysis.requested} == kv_lines
     assert all(r.axes == ("context",) for r in analysis.requested)
+    assert all(g.cause == "requested" for g in gathers)
 
 
 def test_json_document_follows_the_schema():
     analysis = _analysis("make_step", 4)
     doc = json.loads(json.dumps(analysis.to_json()))
-    assert doc["schema"] == "shardlint.analysis/1"
+    assert doc["schema"] == "shardlint.analysis/2"
     assert doc["mesh"] == {"data": 2, "context": 4}
     assert {"argument_bytes", "output_bytes", "temp_bytes", "peak_bytes"} <= set(doc["memory"])
     for c in doc["collectives"]:
-        assert {"id", "kind", "axes", "bytes", "shape", "op_path", "source"} <= set(c)
+        assert {"id", "kind", "axes", "bytes", "shape", "op_path", "source", "cause", "needed_by",
+                "stack", "trips"} <= set(c)
+        assert c["cause"] in shardlint.analyzer.CAUSES
     for f in doc["findings"]:
         assert {"kind", "op", "axes", "feeds_grouped_matmul", "source", "op_path", "collectives",
-                "bytes", "message"} <= set(f)
+                "bytes", "message", "cause", "needed_by", "stack"} <= set(f)
         assert set(f["collectives"]) <= {c["id"] for c in doc["collectives"]}
     assert shardlint.Analysis.from_json(doc) == analysis
 

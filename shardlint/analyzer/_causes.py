@@ -1,0 +1,264 @@
+"""Why each collective of the partitioned program is there: one cause from a closed set.
+
+The analysis starts from the collectives XLA emitted, not from a list of suspicious ops:
+many gathers are placed by the SPMD partitioner for an op whose operand and result stay
+sharded in the propagated module (a scatter, a gather, a reduce-window, a dynamic-slice,
+a custom call), and only the partitioned module shows them. For each collective, in order:
+
+- `reduction`: an all-reduce or reduce-scatter of partial sums;
+- `weights`: it moves a value derived from the step's parameters only (FSDP, ZeRO),
+  as the dataflow from the entry parameters says (`_dataflow.py`);
+- `requested` (gathers) or `layout` (all-to-all, permutes): the code wrote the collective
+  inside a shard_map, or a constraint / reshard / shard_map spec at that op asked for a
+  sharding without the axis. What the constraint asked is read, not assumed: a constraint
+  that keeps an axis requests no gather over it;
+- `lost`: a gather or all-to-all of an activation that nobody asked for. Each becomes (part
+  of) a finding that names the op that needed it: a propagation drop found in the
+  propagated module (`_detect.py`), or the op the partitioner could not split, from XLA's
+  own label on the collective, which is the op it was partitioning when it emitted it;
+- `layout` for the remaining collective-permutes (halo exchanges the partitioner chose).
+
+XLA's "Involuntary full rematerialization" messages become findings of their own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import networkx as nx
+
+from ._collectives import primitive_of
+from ._dataflow import DATA, WEIGHTS as WEIGHT_MARK
+from ._detect import describe, feeds_grouped_matmul, neighbourhood
+from ._graph import sharding_of, source_of, stack_key, user_stack_of
+from ._hlo import HloModule
+from ._model import (LAYOUT, LOST, REDUCTION, REMATERIALIZED, REQUESTED, UNSPLIT, WEIGHTS,
+                     Collective, Finding, Requested, Source)
+from ._stablehlo import Asked
+from ._stack import SourceLocation, display_path, user_stack
+from ._xla_log import Remat
+
+_REDUCTIONS = {"all-reduce", "reduce-scatter"}
+# JAX collectives a user writes inside shard_map, as XLA labels them.
+_WRITTEN = {"all_gather", "all_gather_invariant", "all_to_all", "ragged_all_to_all", "ppermute",
+            "psum", "pmax", "pmin", "psum_scatter", "reduce_scatter", "pbroadcast", "pgather"}
+_UNSPLITTABLE_WAY_OUT = (
+    "{op} cannot be split along the sharded dimension, so XLA's partitioner gathers its "
+    "inputs over {axes}: compute it per shard inside jax.shard_map over the axes that shard "
+    "batch and sequence (for MoE routing — gate logits, top_k, one-hot, scatter into "
+    "[batch, seq, experts], cumsum over tokens — `shardlint analyze --rewrite` does that), "
+    "or keep the dimension it works along unsharded")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Ask:
+    """A sharding the user asked for and the mesh axes it leaves out."""
+
+    requested: Requested
+    stacks: frozenset            # the ask's own stack and those of the ops right next to it
+    listed_when_used: bool = False   # listed only when it explains a collective
+
+
+def explain(collectives: tuple[Collective, ...], module: HloModule, marks: dict[str, int],
+            drops: tuple[Finding, ...], requested: tuple[Requested, ...], asked: tuple[Asked, ...],
+            graph: nx.DiGraph | None, remats: tuple[Remat, ...], mesh_axes: dict[str, int]):
+    """Returns (collectives with causes, findings, requested entries)."""
+    by_name = {i.name: i for i in module.instructions()}
+    stacks = _stack_index(graph) if graph is not None else {}
+    asks = _asks(requested, asked, graph, stacks, mesh_axes)
+    dropped_by = {cid: f for f in drops for cid in f.collectives}
+    explained, used_asks = [], set()
+    for c in collectives:
+        instr = by_name.get(c.id)
+        own = stack_key(user_stack_of(instr)) if instr is not None else ()
+        cause, ask = _cause(c, marks.get(c.id, DATA), own, dropped_by, asks)
+        if ask is not None:
+            used_asks.add(ask)
+        explained.append(dataclasses.replace(c, cause=cause))
+    findings = [_with_cause(f, explained) for f in drops]
+    findings += _partitioner_findings(explained, dropped_by, by_name, graph, stacks)
+    findings += _remat_findings(remats, graph)
+    requested = tuple(dict.fromkeys(
+        a.requested for a in asks if not a.listed_when_used or a in used_asks))
+    findings.sort(key=lambda f: (f.source.file if f.source else "", f.source.line if f.source else 0,
+                                 f.op_path))
+    return tuple(explained), tuple(findings), requested
+
+
+def _cause(c: Collective, mark: int, own: tuple, dropped_by, asks) -> tuple[str, _Ask | None]:
+    if c.kind in _REDUCTIONS:
+        return REDUCTION, None
+    if not mark & DATA and mark & WEIGHT_MARK:
+        return WEIGHTS, None
+    asked_kind = REQUESTED if c.kind == "all-gather" else LAYOUT
+    if primitive_of(c.xla_op_path) in _WRITTEN:
+        return asked_kind, None
+    if c.id in dropped_by:
+        return LOST, None
+    consumer = stack_key(c.stack)
+    for ask in asks:
+        if set(c.axes) & set(ask.requested.axes) and (own in ask.stacks or consumer in ask.stacks):
+            return asked_kind, ask
+    if c.kind == "collective-permute":
+        return LAYOUT, None
+    return LOST, None
+
+
+def _stack_index(graph: nx.DiGraph) -> dict[tuple, list[str]]:
+    index: dict[tuple, list[str]] = {}
+    for node in graph.nodes:
+        key = stack_key(user_stack_of(graph.nodes[node]["instr"]))
+        if key:
+            index.setdefault(key, []).append(node)
+    return index
+
+
+def _asks(requested, asked, graph, stacks, mesh_axes) -> list[_Ask]:
+    """Every ask that leaves axes out, with the stacks of the ops next to it.
+
+    `requested` are constraints whose propagated result drops axes its operand had (read in
+    the propagated module); `asked` are the shardings the lowered program asks for, whose
+    left-out axes are those of the mesh (size > 1) that they do not name: they explain a
+    gather only when one matches them, and are listed then."""
+    asks = []
+    for r in requested:
+        asks.append(_Ask(r, _nearby(stack_key(r.stack), graph, stacks)))
+    for a in asked:
+        named = {axis for dim in a.dims for axis in dim}
+        left_out = tuple(axis for axis, size in mesh_axes.items() if size > 1 and axis not in named)
+        if not left_out or a.op == "shard_map":
+            continue  # shard_map specs are per input; its gathers are matched by XLA's label
+        stack = tuple(_source(f) for f in user_stack(tuple(SourceLocation(f, n) for f, n in a.stack)))
+        r = Requested(_ASK_OPS.get(a.op, a.op), left_out, stack[0] if stack else None, a.op,
+                      stack, a.dims)
+        asks.append(_Ask(r, _nearby(stack_key(stack), graph, stacks), listed_when_used=True))
+    return asks
+
+
+_ASK_OPS = {"sharding_constraint": "sharding_constraint", "reshard": "reshard"}
+
+
+def _source(frame) -> Source:
+    return Source(display_path(frame.file), frame.line, frame.function)
+
+
+def _nearby(key: tuple, graph, stacks, radius: int = 1) -> frozenset:
+    """The ask's stack and the stacks of the ops within `radius` edges upstream of it: XLA
+    may move the gather of a constrained value to the op that made it (gathering the input
+    of the K and V projections once, rather than K and V)."""
+    found = {key} if key else set()
+    if graph is None:
+        return frozenset(found)
+    frontier = list(stacks.get(key, ()))
+    for _ in range(radius):  # upstream only: ops whose values flow into the ask
+        frontier = [p for n in frontier for p in graph.predecessors(n)]
+        found.update(stack_key(user_stack_of(graph.nodes[p]["instr"])) for p in frontier)
+    found.discard(())
+    return frozenset(found)
+
+
+def _with_cause(f: Finding, collectives) -> Finding:
+    mine = [c for c in collectives if c.id in f.collectives]
+    return dataclasses.replace(f, cause=LOST, needed_by=f.op,
+                               bytes=sum(c.step_bytes for c in mine))
+
+
+def _partitioner_findings(collectives, dropped_by, by_name, graph, stacks) -> list[Finding]:
+    """One finding per op the partitioner could not split, for the lost collectives that no
+    propagation drop explains: grouped by the op XLA labelled them with."""
+    groups: dict[tuple, list[Collective]] = {}
+    for c in collectives:
+        if c.cause == LOST and c.id not in dropped_by:
+            groups.setdefault((c.needed_by, stack_key(c.stack)), []).append(c)
+    findings = []
+    for (op, key), members in groups.items():
+        node = _node_for(graph, stacks, key, op) if graph is not None else None
+        op_path = graph.nodes[node]["op_path"] if node is not None else members[0].op_path
+        findings.append(_finding(op or members[0].kind, op_path, members, graph, node))
+    return findings
+
+
+def _node_for(graph, stacks, key, op) -> str | None:
+    """The propagated op that needed the collectives: at their reader's stack, preferring
+    the op whose JAX name or opcode is the one that needed them."""
+    candidates = list(stacks.get(key, ()))
+    if not candidates:
+        return None
+    opcode = op.replace("_", "-")
+
+    def rank(n):
+        data = graph.nodes[n]
+        return (primitive_of(data["op_path"]) != op, data["opcode"] != opcode, n)
+
+    return min(candidates, key=rank)
+
+
+def _finding(op: str, op_path: str, members: list[Collective], graph, node) -> Finding:
+    axes = tuple(dict.fromkeys(a for c in members for a in c.axes))
+    first = members[0]
+    stack = _stack_of(members, graph, node)
+    operand = result = first.shape
+    spec: tuple = ()
+    if node is not None:
+        result = describe(graph, node, 0)
+        sharded = [(p, e) for p, _, d in graph.in_edges(node, data=True)
+                   for e in [d["element"] or 0] if (s := sharding_of(graph, p, e)) and s.axes()]
+        if sharded:
+            operand = describe(graph, *sharded[0])
+            spec = sharding_of(graph, *sharded[0]).dims
+    nbytes = sum(c.step_bytes for c in members)
+    loops = {c.trips for c in members if c.in_loop}
+    per = f" x{loops.pop()} iterations" if len(loops) == 1 and None not in loops else ""
+    message = (f"{op} needs its operands whole along a dimension sharded over {', '.join(axes)}: "
+               f"XLA's partitioner gathers {len(members)} value(s) for it "
+               f"({', '.join(c.shape for c in members[:4])}{', ...' if len(members) > 4 else ''} "
+               f"per device){per}")
+    return Finding(
+        kind=UNSPLIT, op=op, axes=axes,
+        feeds_grouped_matmul=bool(node is not None and feeds_grouped_matmul(graph, node)),
+        source=stack[0] if stack else first.xla_source, op_path=op_path or first.op_path,
+        operand_shape=operand, result_shape=result, collectives=tuple(c.id for c in members),
+        bytes=nbytes, message=message,
+        way_out=_UNSPLITTABLE_WAY_OUT.format(op=op, axes=", ".join(axes)),
+        neighbourhood=neighbourhood(graph, node) if node is not None else None,
+        operand_spec=spec, cause=LOST, needed_by=op, stack=stack)
+
+
+def _stack_of(members, graph, node) -> tuple[Source, ...]:
+    if node is not None:
+        return tuple(user_stack_of(graph.nodes[node]["instr"], as_sources=True))
+    return members[0].stack
+
+
+def _remat_findings(remats: tuple[Remat, ...], graph) -> list[Finding]:
+    found = []
+    for remat in remats:
+        node = _remat_node(remat, graph)
+        data = graph.nodes[node] if node is not None else None
+        stack = tuple(user_stack_of(data["instr"], as_sources=True)) if data else ()
+        op = data["opcode"] if data else "op"
+        found.append(Finding(
+            kind=REMATERIALIZED, op=op, axes=(), feeds_grouped_matmul=False,
+            source=stack[0] if stack else (source_of(graph, node) if node else None),
+            op_path=data["op_path"] if data else remat.instruction,
+            operand_shape=remat.source_sharding, result_shape=remat.target_sharding,
+            collectives=(), bytes=0,
+            message=(f"XLA's partitioner could not reshard {remat.instruction} from "
+                     f"{remat.source_sharding} to {remat.target_sharding} without replicating "
+                     "the whole tensor first (involuntary full rematerialization)"),
+            way_out=("add a sharding constraint that the partitioner can reach from both sides "
+                     "(shard the same dimensions in the same order), or reshape so the "
+                     "sharded dimension stays a dimension of its own"),
+            neighbourhood=neighbourhood(graph, node) if node is not None else None,
+            cause=LOST, needed_by=op, stack=stack))
+    return found
+
+
+def _remat_node(remat: Remat, graph) -> str | None:
+    """The propagated op the message names: by instruction name, else by its op path."""
+    if graph is None:
+        return None
+    if remat.instruction in graph:
+        return remat.instruction
+    same = sorted(n for n, d in graph.nodes(data=True) if remat.op_name and d["op_path"] == remat.op_name)
+    return same[0] if same else None
