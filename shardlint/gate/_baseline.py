@@ -22,11 +22,11 @@ from .._errors import ShardlintError
 from ..analyzer import Analysis, Collective
 from ._keys import collective_key, key_parts
 
-SCHEMA = "shardlint.baseline/1"
+SCHEMA = "shardlint.baseline/2"
 
 
 class BaselineError(ShardlintError):
-    """The baseline file is missing, unreadable, or not a `shardlint.baseline/1` document."""
+    """The baseline file is missing, unreadable, or not a `shardlint.baseline/2` document."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,7 +139,11 @@ def read_baseline(path: str, how_to_create: str = "shardlint check TARGET --mesh
                             f"{e.colno}: {e.msg}); re-{fix}") from None
     schema = doc.get("schema") if isinstance(doc, dict) else None
     if schema != SCHEMA:
-        raise BaselineError(f"baseline {path} has schema {schema!r}, expected {SCHEMA!r}; re-{fix}")
+        older = isinstance(schema, str) and schema.startswith("shardlint.baseline/")
+        raise BaselineError(
+            f"baseline {path} has schema {schema!r}, expected {SCHEMA!r}"
+            + ("; it keys collectives the older way (on the op the analysis attributed them "
+               "to), so it cannot be compared" if older else "") + f"; re-{fix}")
     try:
         entries = tuple(_entry(d) for d in doc["collectives"])
         mesh = {str(k): int(v) for k, v in dict(doc.get("mesh") or {}).items()}

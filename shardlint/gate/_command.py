@@ -20,8 +20,10 @@ from ._gate import BaselineRef, default_root, record
 DEFAULT_BASELINE = "shardlint.baseline.json"
 
 
-def update_command(target: str, mesh: str, baseline: str, root: str | None = None) -> str:
-    words = ["shardlint", "check", target, "--mesh", mesh, "--baseline", baseline]
+def update_command(target: str, mesh: str | None, baseline: str, root: str | None = None,
+                   devices: int | None = None) -> str:
+    where = ["--mesh", mesh] if mesh is not None else ["--devices", str(devices)]
+    words = ["shardlint", "check", target, *where, "--baseline", baseline]
     words += ["--root", root] if root else []
     return " ".join(shlex.quote(w) for w in words) + " --update"
 
@@ -37,7 +39,7 @@ def run_check(args, *, load: Callable, progress: Callable[[str], None],
     kinds = parse_kinds(args.kinds)
     tolerance = parse_tolerance(args.tolerance)
     root = os.path.abspath(args.root) if args.root else default_root()
-    hint = update_command(args.target, args.mesh, args.baseline, args.root)
+    hint = update_command(args.target, args.mesh, args.baseline, args.root, args.devices)
     before = None if args.update else read_baseline(args.baseline, how_to_create=hint)
     _mesh, fn, step_args = load(args)
     analysis = analyze(fn, *step_args, progress=progress)

@@ -1,10 +1,14 @@
 """Stable keys for collectives, shared by the CI gate and the report's before/after diff.
 
-A key must survive recompiling and unrelated edits, so it is built from what the program
-means, not from how XLA numbered it: kind, mesh axes, the op path with JAX's transform
-wrappers removed (`jit(step)/transpose(jvp())/reshape` -> `step/reshape`), the source file
-relative to the project root plus the enclosing function (no line number), and the
+A key must survive recompiling, unrelated edits and changes to shardlint's own heuristics,
+so it is built from the collective's own identity, never from how XLA numbered it or which
+op the analysis attributed it to: kind, mesh axes, the JAX primitive XLA labelled it with,
+the user's source file (relative to the project root) and enclosing function of the value
+it moves (no line number, so inserting lines above the code changes nothing), and the
 per-device shape and dtype.
+
+`normalize_op_path` (for display) removes JAX's transform wrappers from an op path
+(`jit(step)/transpose(jvp())/reshape` -> `step/reshape`).
 
 Named scopes may contain '/' and sit inside a wrapper (`transpose(jvp(moe/route))`), so
 wrappers are removed from the whole path before it is split. XLA names a collective that
@@ -18,6 +22,7 @@ import os
 import re
 
 from ..analyzer import Collective
+from ..analyzer._collectives import primitive_of
 
 # JAX wraps op names in the transformations that produced them; these carry no identity.
 _WRAPPERS = ("jvp", "transpose", "vmap", "remat", "checkpoint", "custom_jvp_call",
@@ -77,6 +82,8 @@ def _split_top_level(text: str, sep: str) -> list[str]:
 def relative_source(file: str, root: str) -> str:
     if not file:
         return ""
+    if not os.path.isabs(file):  # the analysis already made it relative to cwd or sys.path
+        return file.replace(os.sep, "/")
     absolute = os.path.abspath(file)
     root = os.path.abspath(root)
     if absolute == root or absolute.startswith(root + os.sep):
@@ -88,11 +95,14 @@ def relative_source(file: str, root: str) -> str:
 
 
 def key_parts(collective: Collective, root: str = ".") -> tuple[str, str, str, str, str]:
-    """(kind, axes, normalised op path, `file:function`, per-device shape); '-' when empty."""
-    src = collective.source
+    """(kind, axes, XLA's primitive, `file:function`, per-device shape); '-' when empty.
+
+    The primitive and the source are the collective's own (XLA's label, its innermost user
+    frame), not those of the op the analysis attributed it to."""
+    src = collective.xla_source or collective.source
     where = f"{relative_source(src.file, root)}:{src.function}" if src else "-"
     return (collective.kind, ",".join(collective.axes) or "-",
-            normalize_op_path(collective.op_path) or "-", where, collective.shape)
+            primitive_of(collective.xla_op_path) or "-", where, collective.shape)
 
 
 def collective_key(collective: Collective, root: str = ".") -> str:

@@ -34,7 +34,7 @@ def per_shard_baseline(tmp_path_factory):
 
 def test_update_writes_a_baseline_and_the_same_step_passes(per_shard_baseline, capsys):
     doc = json.loads(per_shard_baseline.read_text())
-    assert doc["schema"] == "shardlint.baseline/1" and doc["target"] == PER_SHARD
+    assert doc["schema"] == "shardlint.baseline/2" and doc["target"] == PER_SHARD
     assert doc["mesh"] == {"data": 2, "context": 4}
     assert _check(PER_SHARD, per_shard_baseline) == 0
     out = capsys.readouterr().out
@@ -73,7 +73,7 @@ def test_missing_baseline_exits_2_and_says_how_to_create_it(tmp_path, capsys):
     assert len(err) == 1 and "no baseline at" in err[0] and "--update" in err[0]
 
 
-@pytest.mark.parametrize("content", ['{"schema": "shardlint.baseline/1", "collec',
+@pytest.mark.parametrize("content", ['{"schema": "shardlint.baseline/2", "collec',
                                      '{"schema": "shardlint.baseline/9", "collectives": []}'])
 def test_corrupted_or_foreign_baseline_exits_2(tmp_path, capsys, content):
     path = tmp_path / "b.json"

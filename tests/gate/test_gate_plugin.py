@@ -41,7 +41,7 @@ def test_plugin_fails_on_a_new_all_gather_and_passes_after_update(pytester):
     recorded = pytester.runpytest_subprocess(*QUIET, "--shardlint-update")
     recorded.assert_outcomes(passed=1)
     recorded.stdout.fnmatch_lines(["*shardlint baselines written*", "*train_step.json*"])
-    assert json.loads(baseline.read_text())["schema"] == "shardlint.baseline/1"
+    assert json.loads(baseline.read_text())["schema"] == "shardlint.baseline/2"
 
     # the change under review: flatten (batch, seq) outside shard_map
     pytester.makepyfile(test_train=TEST_MODULE.format(factory="make_step"))

@@ -5,6 +5,8 @@ No compiles here; the real analyzer is exercised in test_gate_check.py.
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import os
 
@@ -21,9 +23,10 @@ ROOT = "/repo"
 
 def _collective(id, kind="all-gather", axes=("context",), nbytes=6144, line=53,
                 op_path="jit(step)/jvp()/reshape", function="routed_moe", shape="f32[2,64,16]"):
+    source = Source(f"{ROOT}/model/moe.py", line, function)
     return Collective(id=id, kind=kind, axes=axes, bytes=nbytes, result_bytes=nbytes,
-                      shape=shape, op_path=op_path,
-                      source=Source(f"{ROOT}/model/moe.py", line, function))
+                      shape=shape, op_path=op_path, source=source,
+                      xla_op_path=op_path, xla_source=source)
 
 
 def _analysis(*collectives, findings=(), mesh=None):
@@ -55,7 +58,15 @@ def test_forward_and_backward_copies_share_a_key():
     bwd = _collective("all-gather.7", op_path="jit(step)/transpose(jvp())/reshape", line=99)
     assert collective_key(fwd, ROOT) == collective_key(bwd, ROOT)
     assert collective_key(fwd, ROOT) == (
-        "all-gather | context | step/reshape | model/moe.py:routed_moe | f32[2,64,16]")
+        "all-gather | context | reshape | model/moe.py:routed_moe | f32[2,64,16]")
+
+
+def test_the_key_ignores_which_op_the_analysis_attributed_it_to():
+    # Attribution moves `op_path`/`source` to a finding's op; the key reads XLA's own label.
+    own = _collective("all-gather")
+    moved = dataclasses.replace(own, op_path="jit(step)/jvp()/sort",
+                                source=Source(f"{ROOT}/model/other.py", 3, "elsewhere"))
+    assert collective_key(own, ROOT) == collective_key(moved, ROOT)
 
 
 def test_relative_source_inside_and_outside_the_root():
@@ -72,7 +83,7 @@ def test_baseline_document_is_sorted_versioned_and_free_of_lines_and_ids():
                               shape="f32[]", op_path="jit(step)/jvp()/reduce_sum"))
     text = dumps(baseline_of(a, ROOT, target="t"))
     doc = json.loads(text)
-    assert doc["schema"] == SCHEMA == "shardlint.baseline/1"
+    assert doc["schema"] == SCHEMA == "shardlint.baseline/2"
     assert doc["mesh"] == {"data": 2, "context": 4} and doc["jax"] == "0.10.2"
     keys = [e["key"] for e in doc["collectives"]]
     assert keys == sorted(keys) and len(keys) == 2
@@ -113,10 +124,10 @@ def test_interrupted_write_keeps_the_old_baseline_and_no_temporary(tmp_path, mon
 @pytest.mark.parametrize("content, says", [
     (None, "no baseline at"),
     ("{ not json", "not valid JSON"),
-    ('{"schema": "shardlint.baseline/0", "collectives": []}', "expected 'shardlint.baseline/1'"),
+    ('{"schema": "shardlint.baseline/0", "collectives": []}', "expected 'shardlint.baseline/2'"),
     ('[1, 2]', "has schema None"),
-    ('{"schema": "shardlint.baseline/1", "collectives": [{"key": "k"}]}', "damaged"),
-    ('{"schema": "shardlint.baseline/1", "collectives": '
+    ('{"schema": "shardlint.baseline/2", "collectives": [{"key": "k"}]}', "damaged"),
+    ('{"schema": "shardlint.baseline/2", "collectives": '
      '[{"key": "k", "kind": "all-gather", "count": -1, "bytes": 0}]}', "damaged"),
 ])
 def test_bad_baselines_say_how_to_create_one(tmp_path, content, says):
@@ -205,4 +216,4 @@ def test_a_gone_collective_is_described_from_its_key():
     (change,) = result.improvements
     assert change.status == "gone" and change.collectives == ()
     assert change.axes == ("context",) and change.function == "routed_moe"
-    assert split_key(change.key)[2] == "step/reshape"
+    assert split_key(change.key)[2] == "reshape"
