@@ -33,6 +33,7 @@ from ..analyzer import Analysis, Collective, Finding, Source
 from ..gate._keys import collective_key, normalize_op_path, relative_source
 from ._svg import ideal_line, memory_chart_svg, neighbourhood_svg
 from ._sweep import check_sweep, sweep_summary
+from ._frames import helper_frames, shown_frames
 from ._text import human_bytes
 
 REPORT_SCHEMA = "shardlint.report/1"
@@ -149,21 +150,28 @@ def _where(source: Source | None, root: str) -> str:
     return f"{relative_source(source.file, root)}:{source.line}" if source else ""
 
 
+def _frames(record, helpers, root: str) -> str:
+    shown = shown_frames(record.stack, helpers, record.source)
+    return " via ".join(_where(f, root) for f in shown)
+
+
 def collective_rows(before: Analysis, after: Analysis | None, root: str) -> list[dict[str, Any]]:
-    """One row per collective key: counts and bytes before and after, and its status."""
+    """One row per collective key: counts and bytes (per step) before and after, and its status."""
     groups: dict[str, dict[str, Any]] = {}
     for side, analysis in (("b", before), ("a", after)):
+        helpers = helper_frames(analysis) if analysis else frozenset()
         for c in analysis.collectives if analysis else ():
             key = collective_key(c, root)
             row = groups.get(key)
             if row is None:
                 row = groups[key] = {
                     "key": key, "anchor": anchor(key), "kind": c.kind, "axes": ",".join(c.axes) or "-",
-                    "shape": c.shape, "op_path": c.op_path, "path": normalize_op_path(c.op_path) or c.op_path, "where": _where(c.source, root),
+                    "shape": c.shape, "op_path": c.op_path, "path": normalize_op_path(c.op_path) or c.op_path,
+                    "where": _frames(c, helpers, root), "cause": c.cause or "-",
                     "function": c.source.function if c.source else "", "async": False, "loop": False,
                     "b_count": 0, "b_bytes": 0, "a_count": 0, "a_bytes": 0, "ids": []}
             row[f"{side}_count"] += 1
-            row[f"{side}_bytes"] += c.bytes
+            row[f"{side}_bytes"] += c.step_bytes
             row["async"] |= c.is_async
             row["loop"] |= c.in_loop
             if len(row["ids"]) < 4:
@@ -215,7 +223,7 @@ def finding_view(f: Finding, index: int, analysis: Analysis, root: str) -> dict[
         causes.append({"id": cid, "anchor": anchor(collective_key(c, root)) if c else "",
                        "kind": c.kind if c else "", "axes": ",".join(c.axes) if c else "",
                        "shape": c.shape if c else "", "bytes": c.bytes if c else None})
-    return {"index": index, "f": f, "where": _where(f.source, root),
+    return {"index": index, "f": f, "where": _frames(f, helper_frames(analysis), root),
             "file": f.source.file if f.source else "", "snippet": snippet(f.source),
             "causes": causes, "graph": neighbourhood_svg(f.neighbourhood, f.axes)}
 

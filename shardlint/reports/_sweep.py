@@ -62,9 +62,9 @@ def prepare_devices(mesh_spec: str, sweep_spec: str | None) -> tuple[str, tuple[
     """
     from .._target import parse_mesh_spec, simulate_devices
 
-    mesh = parse_mesh_spec(mesh_spec)
     if not sweep_spec:
         return None
+    mesh = parse_mesh_spec(mesh_spec)
     sweep = parse_sweep_spec(sweep_spec)
     simulate_devices(device_count(mesh, sweep))
     import jax

@@ -6,6 +6,8 @@ import json
 import os
 
 from ..analyzer import Analysis
+from ..analyzer._model import DROPPED, REMATERIALIZED, UNSPLIT
+from ._frames import frames_text, helper_frames
 
 
 def human_bytes(n: float | None) -> str:
@@ -20,42 +22,46 @@ def human_bytes(n: float | None) -> str:
 
 def format_text(analysis: Analysis, title: str = "", fit=None) -> str:
     """`fit`: the memory check against HBM (`analyzer._topology.fit_of`), printed last."""
-    mesh = " x ".join(f"{k}={v}" for k, v in analysis.mesh.items())
-    compiler = analysis.platform
-    if analysis.topology:
-        compiler += f" {analysis.topology}, libtpu {analysis.versions.get('libtpu', '?')}"
-    lines = [f"shardlint: {title + ' ' if title else ''}on mesh {mesh} "
-             f"({compiler}, {analysis.partitioner}, jax {analysis.versions.get('jax', '?')})", ""]
+    helpers = helper_frames(analysis)
+
+    def at(record) -> str:
+        return frames_text(record.stack, helpers, record.source)
+
+    lines = [f"shardlint: {title + ' ' if title else ''}on mesh {mesh_text(analysis.mesh)} "
+             f"({_compiler(analysis)}, {analysis.partitioner}, jax {analysis.versions.get('jax', '?')})", ""]
     if analysis.findings:
         lines.append(f"{len(analysis.findings)} finding(s): sharding lost")
         for i, f in enumerate(analysis.findings, 1):
-            lines.append(f"  [{i}] {where(f.source)}  {f.op} drops {', '.join(f.axes)}"
+            lines.append(f"  [{i}] {at(f)}  {_headline(f)}"
                          + ("  -> feeds a grouped matmul" if f.feeds_grouped_matmul else ""))
             lines.append(f"      op path: {f.op_path}")
             lines.append(f"      {f.operand_shape}  ->  {f.result_shape}")
             if f.collectives:
-                lines.append(f"      costs: {', '.join(f.collectives)} ({human_bytes(f.bytes)} per device)")
-            else:
+                lines.append(f"      costs: {', '.join(f.collectives)} ({human_bytes(f.bytes)} per device"
+                             f" per step{_loop_note(analysis, f.collectives)})")
+            elif f.kind == DROPPED:
                 lines.append("      costs: no collective linked (XLA may recompute or replicate instead)")
             lines.append(f"      way out: {f.way_out}")
     else:
-        lines.append("no findings: XLA keeps every sharded dimension sharded")
+        lines.append("no findings: no activation is gathered over an axis that sharded it "
+                     "without being asked")
     if analysis.requested:
         lines.append("")
         lines.append(f"{len(analysis.requested)} resharding(s) you asked for (not findings):")
         for r in analysis.requested:
-            lines.append(f"  {where(r.source)}  {r.op} replicates {', '.join(r.axes)}")
+            lines.append(f"  {at(r)}  {r.op} asks for a sharding without {', '.join(r.axes)}")
     lines.append("")
     lines.append(f"{len(analysis.collectives)} collective(s):")
     if analysis.collectives:
-        rows = [("kind", "axes", "moved/dev", "shape", "source", "op path")]
-        for c in sorted(analysis.collectives, key=lambda c: (-c.bytes, c.id)):
-            rows.append((c.kind + (" (async)" if c.is_async else ""), ",".join(c.axes),
-                         human_bytes(c.bytes), _clip(c.shape, 36), where(c.source),
+        rows = [("kind", "cause", "axes", "moved/dev", "shape", "source", "op path")]
+        for c in sorted(analysis.collectives, key=lambda c: (-c.step_bytes, c.id)):
+            rows.append((c.kind + (" (async)" if c.is_async else ""), c.cause or "-", ",".join(c.axes),
+                         human_bytes(c.step_bytes) + _trips(c), _clip(c.shape, 36), at(c),
                          _clip(c.op_path, 60)))
-        widths = [max(len(r[i]) for r in rows) for i in range(5)]
+        n = len(rows[0]) - 1
+        widths = [max(len(r[i]) for r in rows) for i in range(n)]
         for r in rows:
-            lines.append("  " + "  ".join(r[i].ljust(widths[i]) for i in range(5)) + "  " + r[5])
+            lines.append("  " + "  ".join(r[i].ljust(widths[i]) for i in range(n)) + "  " + r[n])
     m = analysis.memory
     lines.append("")
     lines.append("memory per device: "
@@ -66,6 +72,40 @@ def format_text(analysis: Analysis, title: str = "", fit=None) -> str:
     if fit is not None:
         lines.append(fit.line())
     return "\n".join(lines)
+
+
+def mesh_text(mesh: dict[str, int]) -> str:
+    """`data=2 x context=4`: size-1 axes left out (MaxText's mesh has twelve axes)."""
+    shown = {k: v for k, v in mesh.items() if v > 1} or mesh
+    return " x ".join(f"{k}={v}" for k, v in shown.items())
+
+
+def _compiler(analysis: Analysis) -> str:
+    compiler = analysis.platform
+    if analysis.topology:
+        compiler += f" {analysis.topology}, libtpu {analysis.versions.get('libtpu', '?')}"
+    return compiler
+
+
+def _headline(f) -> str:
+    if f.kind == REMATERIALIZED:
+        return f"{f.op}: involuntary full rematerialization"
+    if f.kind == UNSPLIT:
+        return f"{f.op} cannot be split: its inputs are gathered over {', '.join(f.axes)}"
+    return f"{f.op} drops {', '.join(f.axes)}"
+
+
+def _trips(c) -> str:
+    if not c.in_loop:
+        return ""
+    return f" (x{c.trips})" if c.trips else " (loop)"
+
+
+def _loop_note(analysis: Analysis, ids) -> str:
+    trips = {c.trips for c in analysis.collectives if c.id in ids and c.in_loop}
+    if len(trips) == 1 and None not in trips:
+        return f", x{trips.pop()} iterations"
+    return ", in a loop of unknown trip count" if None in trips else ""
 
 
 def where(source) -> str:

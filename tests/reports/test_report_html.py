@@ -69,7 +69,7 @@ def test_memory_table_matches_memory_analysis(page, pair):
 def test_each_finding_shows_axes_op_source_lines_collectives_way_out_and_graph(page, pair):
     before, _ = pair
     articles = page.find_all("article", data_side="before")
-    assert len(articles) == len(before.findings) == 2
+    assert len(articles) == len(before.findings) == 3  # flatten, argsort, the TopK custom call
     rows = {tr.attrs["id"] for tr in page.find_all("tr", data_status=True)}
     for art, f in zip(articles, before.findings):
         assert art.attrs["data-op"] == f.op
