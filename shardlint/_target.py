@@ -109,7 +109,7 @@ def load_target(target: str) -> Callable:
 
 
 def make_step(target: str, mesh) -> tuple[Callable, tuple[Any, ...]]:
-    """Calls the target with the mesh; it must return (step_fn, args)."""
+    """Calls the target with the mesh (None under `--devices`); it must return (step_fn, args)."""
     factory = load_target(target)
     try:
         made = factory(mesh)
@@ -122,6 +122,17 @@ def make_step(target: str, mesh) -> tuple[Callable, tuple[Any, ...]]:
         raise UsageError(f"target {target!r}: args must be a tuple of arrays or "
                          f"ShapeDtypeStructs, got {type(args).__name__}")
     return fn, tuple(args)
+
+
+def mesh_of_args(args, target: str):
+    """The mesh a target that built its own put its arguments on (`--devices`)."""
+    from ._errors import AnalysisError
+    from .analyzer._compile import mesh_of
+
+    try:
+        return mesh_of(args)
+    except AnalysisError as e:
+        raise UsageError(f"target {target!r}: {e}") from None
 
 
 def check_mesh(args, mesh) -> None:

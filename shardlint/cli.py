@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ._errors import ShardlintError
+from ._errors import ShardlintError, UsageError
 
 
 def _progress(message: str) -> None:
@@ -19,7 +19,12 @@ def _progress(message: str) -> None:
 def _add_target(p: argparse.ArgumentParser) -> None:
     p.add_argument("target", help="path/to/model.py:make_step or package.module:make_step; "
                                   "called with the mesh, returns (step_fn, args)")
-    p.add_argument("--mesh", required=True, help="mesh axes in order, e.g. data=2,context=4")
+    where = p.add_mutually_exclusive_group(required=True)
+    where.add_argument("--mesh", help="mesh axes in order, e.g. data=2,context=4; the target "
+                                      "receives this mesh")
+    where.add_argument("--devices", type=int, metavar="N",
+                       help="simulate N CPU devices and call the target with mesh=None, for "
+                            "targets that build their own mesh (MaxText does)")
 
 
 def _add_topology(p: argparse.ArgumentParser) -> None:
@@ -39,7 +44,7 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("analyze", help="analyze a step: findings, collectives, memory")
     _add_target(p)
-    p.add_argument("--json", metavar="FILE", help="write the analysis (shardlint.analysis/1)")
+    p.add_argument("--json", metavar="FILE", help="write the analysis (shardlint.analysis/2)")
     p.add_argument("--rewrite", action="store_true",
                    help="analyze the step after putting the sharding-preserving MoE in place")
     _add_topology(p)
@@ -62,7 +67,7 @@ def _parser() -> argparse.ArgumentParser:
                                      "the baseline lacks; --update records the baseline")
     _add_target(p)
     p.add_argument("--baseline", metavar="FILE", default="shardlint.baseline.json",
-                   help="the baseline (shardlint.baseline/1; default: shardlint.baseline.json)")
+                   help="the baseline (shardlint.baseline/2; default: shardlint.baseline.json)")
     p.add_argument("--update", action="store_true",
                    help="record the current collectives as the baseline instead of checking")
     p.add_argument("--format", choices=("text", "json", "github", "sarif"), default="text",
@@ -79,9 +84,18 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _load(args):
-    from ._target import (build_mesh, build_topology_mesh, check_mesh, make_step,
+    from ._target import (build_mesh, build_topology_mesh, check_mesh, make_step, mesh_of_args,
                           parse_mesh_spec, simulate_devices)
 
+    if args.devices is not None:
+        if getattr(args, "topology", None):
+            raise UsageError("--topology needs --mesh: the mesh is laid over the topology's chips")
+        if args.devices < 1:
+            raise UsageError(f"--devices {args.devices}: give a positive device count")
+        simulate_devices(args.devices)
+        _progress(f"tracing {args.target} (mesh=None, {args.devices} simulated CPU devices)")
+        fn, step_args = make_step(args.target, None)
+        return mesh_of_args(step_args, args.target), fn, step_args
     axes = parse_mesh_spec(args.mesh)
     import math
 
@@ -126,6 +140,8 @@ def _can_run(args, rewriting: bool) -> bool:
 def _report(args) -> int:
     from .reports import analyze_pair, prepare_devices, run_sweep, write_html
 
+    if args.sweep and args.mesh is None:
+        raise UsageError("--sweep needs --mesh: it re-runs the step with one mesh axis resized")
     sweep = prepare_devices(args.mesh, args.sweep)  # before _load: the sweep may need more devices
     mesh, fn, step_args = _load(args)
     rewrite = not args.no_rewrite

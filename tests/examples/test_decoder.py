@@ -21,6 +21,7 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 import shardlint
+from shardlint.analyzer._stack import display_path
 from shardlint.examples import decoder
 from shardlint.moe import RoutedMoE
 
@@ -75,7 +76,8 @@ def _flatten_line() -> tuple[str, int]:
     """File and line of the reshape that flattens (batch, seq) in RoutedMoE.__call__."""
     lines, first = inspect.getsourcelines(RoutedMoE.__call__)
     hits = [first + i for i, text in enumerate(lines) if ".reshape(" in text]
-    return inspect.getsourcefile(RoutedMoE), hits[0]  # the first reshape is the flatten
+    # Analyses show paths relative to the working directory or their sys.path root.
+    return display_path(inspect.getsourcefile(RoutedMoE)), hits[0]  # the first reshape is the flatten
 
 
 # (mesh axes, expected specs of: tokens, embed, wq, wo, MoE wi_0, shared wi_0)
