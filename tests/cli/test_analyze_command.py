@@ -100,3 +100,34 @@ def test_rewrite_flag_fixes_the_step_and_refuses_what_is_unsafe(capsys, tmp_path
     code = main(["analyze", "shardlint.examples.steps:make_capacity_step", "--mesh", "data=2,context=4", "--rewrite"])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and "grows with the number of tokens" in err[-1]
+
+
+OWN_MESH_TARGET = textwrap.dedent('''
+    import jax
+    from jax.sharding import AxisType
+    from shardlint.examples.steps import make_step as make
+
+    def make_step(mesh):
+        assert mesh is None  # --devices: the target builds its own mesh
+        own = jax.make_mesh((2, 1, 4), ("data", "stage", "context"), axis_types=(AxisType.Auto,) * 3)
+        return make(own)
+''')
+
+
+def test_devices_calls_the_target_with_no_mesh_and_reports_its_own(tmp_path, run_cli):
+    (tmp_path / "own_mesh.py").write_text(OWN_MESH_TARGET)
+    out = tmp_path / "a.json"
+    done = run_cli("analyze", f"{tmp_path / 'own_mesh.py'}:make_step", "--devices", "8", "--json", str(out))
+    assert done.returncode == 1, done.stderr  # the example has findings
+    assert json.loads(out.read_text())["mesh"] == {"data": 2, "stage": 1, "context": 4}
+    header = done.stdout.splitlines()[0]
+    assert "on mesh data=2 x context=4 " in header  # size-1 axes left out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--devices", "8", "--mesh", "data=8"], "not allowed with argument"),
+    (["--devices", "0"], "--devices 0"),
+])
+def test_devices_usage_errors(argv, message, capsys):
+    assert main(["analyze", TARGET, *argv]) == 2
+    assert message in capsys.readouterr().err
