@@ -1,0 +1,105 @@
+"""shardlint on MaxText's own RoutedMoE (the `maxtext` package from the registry).
+
+MaxText's config, its 12-axis mesh and logical axis rules, small dims, data=2 x context=4
+on 8 CPU devices. The dense path (`sparse_matmul=false`) gathers its routing tensors over
+the sequence at ops XLA's partitioner cannot split (top_k, the scatter that builds the
+[batch, seq, experts] combine weights): those are `lost`, at moe.py's own lines, while its
+constraint on the gate logits keeps the sharding and so asks for nothing. The sparse path
+flattens inside shard_map (MaxText PR #1788): no activation is gathered, its weight gathers
+are `weights`. MaxText's config turns JAX's persistent compilation cache on; the step is
+analyzed twice to show that changes nothing.
+
+Runs where MaxText is installed (CI's Python 3.12 environment: `pip install -e '.[test,maxtext]'`).
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+
+pytest.importorskip("maxtext", reason="MaxText is not installed: pip install -e '.[maxtext]' (Python 3.12+)")
+
+import shardlint  # noqa: E402
+
+from . import maxtext_moe  # noqa: E402
+
+pytestmark = pytest.mark.maxtext
+
+
+def _moe_line(snippet: str) -> int:
+    import maxtext.layers.moe as moe
+
+    lines = inspect.getsource(moe).splitlines()
+    hits = [i + 1 for i, line in enumerate(lines) if snippet in line]
+    assert len(hits) == 1, (snippet, hits)
+    return hits[0]
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("jax_cache"))
+
+
+@pytest.fixture(scope="module")
+def dense(cache_dir):
+    fn, args = maxtext_moe.make_moe_step(sparse=False, jax_cache_dir=cache_dir)
+    return fn, args, shardlint.analyze(fn, *args)
+
+
+@pytest.fixture(scope="module")
+def sparse(cache_dir):
+    fn, args = maxtext_moe.make_moe_step(sparse=True, jax_cache_dir=cache_dir)
+    return shardlint.analyze(fn, *args)
+
+
+def _in_moe(source) -> bool:
+    return source is not None and source.file.endswith("maxtext/layers/moe.py")
+
+
+def test_dense_path_routing_gathers_are_lost_at_moe_lines(dense):
+    _, _, analysis = dense
+    top_k = _moe_line("top_k_weights, top_k_indices = jax.lax.top_k(gate_logits, self.num_experts_per_tok)")
+    scatter = _moe_line("update_weights = update_weights.at[index_update].set(safe_weights")
+    lost = [f for f in analysis.findings if f.cause == "lost" and "context" in f.axes]
+    assert {f.source.line for f in lost} >= {top_k, scatter}
+    assert all(_in_moe(f.source) for f in lost)
+    # The findings claim every activation gather of the layer, over context and data.
+    claimed = {cid for f in analysis.findings for cid in f.collectives}
+    routing = [c for c in analysis.all_gathers() if c.cause != "weights"]
+    assert len(routing) == 8 and all(c.cause == "lost" and c.id in claimed for c in routing)
+    assert {a for c in routing for a in c.axes} == {"context", "data"}
+    # Shown through the user's frames, never a site-packages path.
+    for f in lost:
+        assert not f.source.file.startswith("/") and f.stack[0] == f.source
+
+
+def test_dense_path_keep_sharded_constraint_is_not_requested(dense):
+    _, _, analysis = dense
+    constraint = _moe_line('gate_logits = self._maybe_shard_with_logical(gate_logits, '
+                           '("activation_batch_moe", "activation_length_moe", None))')
+    for r in analysis.requested:
+        assert all(s.line != constraint for s in r.stack if _in_moe(s)), r
+    # The gate logits' gathers are explained at top_k, with the constraint on the way there.
+    assert not analysis.by_cause("requested")
+
+
+def test_dense_path_weight_gathers_are_weights(dense):
+    _, _, analysis = dense
+    weights = analysis.by_cause("weights")
+    assert len(weights) == 4 and all(c.kind == "all-gather" and c.axes == ("context",) for c in weights)
+    assert all(c.cause == "reduction" for c in analysis.collectives if c.kind == "all-reduce")
+
+
+def test_sparse_path_has_no_lost_gather(sparse):
+    assert not [f for f in sparse.findings if f.cause == "lost"]
+    gathers = sparse.all_gathers()
+    assert gathers and all(c.cause == "weights" for c in gathers)
+
+
+def test_second_analysis_with_maxtexts_compile_cache_is_the_same(dense):
+    fn, args, first = dense
+    second = shardlint.analyze(fn, *args)
+    assert [(c.kind, c.axes, c.shape, c.cause) for c in second.collectives] == \
+        [(c.kind, c.axes, c.shape, c.cause) for c in first.collectives]
+    assert [(f.op, f.source) for f in second.findings] == [(f.op, f.source) for f in first.findings]
