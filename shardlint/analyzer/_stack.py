@@ -114,7 +114,9 @@ def display_path(file: str) -> str:
     """A file as a user reads it: relative to the working directory when it lies under it
     (unless that path runs through an installed package folder, as a virtual environment
     inside the project does), else to the longest `sys.path` entry that holds it
-    (`.../site-packages/maxtext/layers/moe.py` is `maxtext/layers/moe.py`), else as it is."""
+    (`.../site-packages/maxtext/layers/moe.py` is `maxtext/layers/moe.py`), else to the
+    folder its outermost package lies in (editable installs import from off `sys.path`),
+    else as it is."""
     return _display(file, os.getcwd(), tuple(sys.path))
 
 
@@ -132,7 +134,20 @@ def _display(file: str, cwd: str, entries: tuple[str, ...]) -> str:
     holding = [r for r in roots if path.is_relative_to(r) and path != r]
     if holding:
         return str(path.relative_to(max(holding, key=lambda r: len(r.parts))))
-    return str(path.relative_to(here)) if path.is_relative_to(here) else file
+    if path.is_relative_to(here):
+        return str(path.relative_to(here))
+    package_root = _package_root(path)
+    return str(path.relative_to(package_root)) if package_root is not None else file
+
+
+def _package_root(path: PurePath) -> PurePath | None:
+    """The folder above the outermost package holding `path` (one with `__init__.py` all
+    the way down): where an editable install's finder imports it from, off `sys.path`."""
+    root = None
+    folder = path.parent
+    while os.path.exists(folder / "__init__.py"):
+        root = folder = folder.parent
+    return root
 
 
 def format_frames(stack: tuple[SourceLocation, ...], n: int = 2) -> str:

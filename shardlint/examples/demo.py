@@ -52,8 +52,8 @@ def run_demo(out_dir: str, progress: Callable[[str], None]) -> str:
                      f"{human_bytes(point['after'].memory.temp_bytes)}")
     fixed: dict[str, int] = {}
     for f in before.findings:  # one line per place; each layer repeats it
-        where = f"{os.path.relpath(f.source.file)}:{f.source.line}" if f.source else "?"
-        key = f"{f.op} at {where} dropped {', '.join(f.axes)}"
+        where = str(f.source) if f.source else "?"  # already relative: cwd, sys.path or package root
+        key = f"{f.op} at {where} lost {', '.join(f.axes)}"
         fixed[key] = fixed.get(key, 0) + 1
     for key, count in fixed.items():
         lines.append(f"  fixed: {key}" + (f" (x{count})" if count > 1 else ""))

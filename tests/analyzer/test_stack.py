@@ -172,3 +172,17 @@ def test_xla_prints_the_parent_frame_plus_one():
     assert instr.stack == (SourceLocation("/src/layers/moe.py", 35, "route"),
                            SourceLocation("/src/train.py", 153, "main"))
     assert instr.op_name == "route"
+
+
+def test_display_path_of_a_package_off_sys_path_is_relative_to_its_root(tmp_path, monkeypatch):
+    # An editable install imports through a finder, not a sys.path entry.
+    from shardlint.analyzer._stack import display_path
+
+    (tmp_path / "proj" / "pkg" / "sub").mkdir(parents=True)
+    for folder in ("pkg", "pkg/sub"):
+        (tmp_path / "proj" / folder / "__init__.py").write_text("")
+    module = tmp_path / "proj" / "pkg" / "sub" / "layer.py"
+    module.write_text("")
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    assert display_path(str(module)) == "pkg/sub/layer.py"
