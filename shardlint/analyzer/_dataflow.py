@@ -13,6 +13,7 @@ conditionals and tuples. Marks only grow, so the walk ends after a few passes.
 
 from __future__ import annotations
 
+from ._collectives import KINDS
 from ._hlo import HloModule, Instruction
 
 DATA = 1
@@ -45,9 +46,10 @@ class _Flow:
         self.changed = True
 
     def run(self) -> dict[str, int]:
-        order = list(self.module.computations.values())
         entry = self.module.entry
-        order.sort(key=lambda c: c is not entry)
+        self.inside = _holding_collectives(self.module)
+        order = [entry] + [c for c in self.module.computations.values()
+                           if c.name in self.inside and c is not entry]
         for _ in range(64):
             if not self.changed:
                 break
@@ -102,6 +104,8 @@ class _Flow:
             return _union(marks)
         if op == "tuple":
             return tuple(operands)
+        if instr.called and not any(c in self.inside for c in instr.called):
+            return _union(tuple(operands))  # nothing inside is asked about: its inputs' marks
         if op == "while":
             body, cond = instr.loop_body or "", instr.loop_condition or ""
             carried = _join(operands[0], self._root(body)) if operands else 0
@@ -121,6 +125,21 @@ class _Flow:
             roots = [self._root(c) for c in instr.called]
             return roots[0] if len(roots) == 1 else _union(tuple(roots) + tuple(operands))
         return _union(tuple(operands))
+
+
+def _holding_collectives(module: HloModule) -> set[str]:
+    """Computations that hold a collective, themselves or in what they call: only their
+    insides need walking; any other call passes on the marks of its inputs."""
+    holding = {i.computation for i in module.instructions()
+               if i.opcode.removesuffix("-start") in KINDS}
+    changed = True
+    while changed:
+        changed = False
+        for instr in module.instructions():
+            if instr.computation not in holding and any(c in holding for c in instr.called):
+                holding.add(instr.computation)
+                changed = True
+    return holding
 
 
 def input_marks(module: HloModule, entry_marks: dict[int, int]) -> dict[str, int]:

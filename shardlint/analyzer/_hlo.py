@@ -348,28 +348,35 @@ def _take_type(text: str) -> tuple[str, str]:
     return text, ""
 
 
+_BRACKETS = {"(": ")", "{": "}", "[": "]"}
+_SPECIAL_RE = re.compile(r'[(){}\[\]"\\]')
+
+
 def _matching(text: str, start: int) -> int:
-    """Index of the bracket closing the one at `start`, skipping quoted strings."""
-    pairs = {"(": ")", "{": "}", "[": "]"}
+    """Index of the bracket closing the one at `start`, skipping quoted strings.
+
+    Jumps from one bracket, quote or backslash to the next (`re`), not char by char:
+    metadata and backend configs make long lines."""
     stack: list[str] = []
     in_quote = False
-    i = start
-    while i < len(text):
-        ch = text[i]
+    skip = -1
+    for m in _SPECIAL_RE.finditer(text, start):
+        i, ch = m.start(), m.group()
+        if i <= skip:
+            continue
         if in_quote:
             if ch == "\\":
-                i += 1
+                skip = i + 1
             elif ch == '"':
                 in_quote = False
         elif ch == '"':
             in_quote = True
-        elif ch in pairs:
-            stack.append(pairs[ch])
+        elif ch in _BRACKETS:
+            stack.append(_BRACKETS[ch])
         elif stack and ch == stack[-1]:
             stack.pop()
             if not stack:
                 return i
-        i += 1
     return len(text) - 1
 
 
@@ -399,16 +406,13 @@ def _parse_attrs(text: str) -> dict[str, str]:
     return attrs
 
 
+_QUOTE_END_RE = re.compile(r'(?:[^"\\]|\\.)*"', re.DOTALL)
+
+
 def _end_quote(text: str, start: int) -> int:
-    i = start + 1
-    while i < len(text):
-        if text[i] == "\\":
-            i += 2
-            continue
-        if text[i] == '"':
-            return i
-        i += 1
-    return len(text) - 1
+    """Index of the quote closing the one at `start` (backslash escapes skipped)."""
+    m = _QUOTE_END_RE.match(text, start + 1)
+    return m.end() - 1 if m else len(text) - 1
 
 
 def _dims(text: str) -> tuple[int, ...]:
