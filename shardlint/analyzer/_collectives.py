@@ -46,7 +46,9 @@ def collectives_of(module: HloModule, mesh: MeshInfo) -> tuple[Collective, ...]:
             continue
         consumer = None
         if kind in _READ_BY_CONSUMER:
-            consumer = _needing(instr, users, module) or _consumer(instr, users)
+            consumer = _consumer(instr, users)
+            if not _contracts(consumer):  # a weight or K/V gather is for the dot reading it
+                consumer = _needing(instr, users, module) or consumer
         found.append(_collective(instr, kind, is_async, mesh, instr.computation in loop_bodies, consumer,
                                  trips.get(instr.computation, 1)))
     return tuple(found)
@@ -128,6 +130,11 @@ def _consumer(instr: Instruction, users) -> Instruction | None:
                     return user
         frontier = nxt
     return None
+
+
+def _contracts(instr: Instruction | None) -> bool:
+    return instr is not None and (instr.opcode in ("dot", "convolution")
+                                  or primitive_of(instr.op_name) in ("dot_general", "conv_general_dilated"))
 
 
 def _needing(instr: Instruction, users, module: HloModule, hops: int = 6) -> Instruction | None:
