@@ -18,6 +18,17 @@ from ._graph import around, dims_of, sharding_of, source_of
 from ._model import Collective
 
 
+@dataclasses.dataclass(frozen=True)
+class Drop:
+    """An op of the propagated graph whose result drops mesh axes its operand had."""
+
+    node: str                    # the op
+    op: str                      # reshape, sort, top_k, cumsum, ...
+    lost: tuple[str, ...]        # the mesh axes dropped
+    operand: str                 # the producer of the operand that had them
+    element: int                 # which of its results
+
+
 def attribute(collectives, findings) -> tuple[Collective, ...]:
     """A collective a finding caused is attributed to the finding's op (XLA's own label
     stays in `xla_op_path`/`xla_source`)."""
@@ -28,7 +39,7 @@ def attribute(collectives, findings) -> tuple[Collective, ...]:
         for c in collectives)
 
 
-def link(graph, raw, mesh: MeshInfo, collectives) -> dict[str, set[str]]:
+def link(graph, drops: list[Drop], mesh: MeshInfo, collectives) -> dict[str, set[str]]:
     """Which all-gathers each finding caused.
 
     First by XLA's own label (the same op path and line as the finding's op); then, for
@@ -37,9 +48,9 @@ def link(graph, raw, mesh: MeshInfo, collectives) -> dict[str, set[str]]:
     the same transformation (forward `jvp()` or backward `transpose(...)`) as XLA's label
     wins, then the one on the line of the op that reads the gather.
     """
-    links: dict[str, set[str]] = {node: set() for node, *_ in raw}
+    links: dict[str, set[str]] = {d.node: set() for d in drops}
     claimed: set[str] = set()
-    for node, *_ in raw:
+    for node in links:
         data = graph.nodes[node]
         src = source_of(graph, node)
         for c in collectives:
@@ -48,14 +59,13 @@ def link(graph, raw, mesh: MeshInfo, collectives) -> dict[str, set[str]]:
                     and c.xla_op_path == data["op_path"]):
                 links[node].add(c.id)
                 claimed.add(c.id)
-    wanted = {node: _gathered_shape(graph, operand, element, lost, mesh)
-              for node, op, lost, operand, element in raw}
-    near = {node: nearby_lines(graph, node) for node, *_ in raw}
+    wanted = {d.node: _gathered_shape(graph, d.operand, d.element, d.lost, mesh) for d in drops}
+    near = {node: nearby_lines(graph, node) for node in links}
     for c in collectives:
         if c.kind != "all-gather" or c.id in claimed:
             continue
-        fits = [node for node, op, lost, *_ in raw
-                if set(c.axes) & set(lost) and c.shape == wanted[node] and _labelled_near(c, near[node])]
+        fits = [d.node for d in drops if set(c.axes) & set(d.lost) and c.shape == wanted[d.node]
+                and _labelled_near(c, near[d.node])]
         if not fits:
             continue
 

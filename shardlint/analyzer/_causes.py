@@ -29,9 +29,10 @@ import networkx as nx
 
 from ._collectives import primitive_of
 from ._dataflow import DATA, WEIGHTS as WEIGHT_MARK
-from ._detect import describe, feeds_grouped_matmul, neighbourhood
+from ._detect import describe, neighbourhood
 from ._graph import sharding_of, source_of, stack_key, user_stack_of
 from ._hlo import HloModule
+from ._patterns import feeds_grouped_matmul
 from ._model import (LAYOUT, LOST, REDUCTION, REMATERIALIZED, REQUESTED, UNSPLIT, WEIGHTS,
                      Collective, Finding, Requested, Source)
 from ._stablehlo import Asked

@@ -23,6 +23,7 @@ from __future__ import annotations
 from ._devices import MeshInfo, axes_of_groups, axes_of_pairs, parse_replica_groups
 from ._hlo import ArrayType, HloModule, Instruction
 from ._model import Collective, Source
+from ._patterns import NEEDS_WHOLE
 from ._stack import display_path, user_stack
 
 KINDS = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute",
@@ -72,15 +73,6 @@ def executions(module: HloModule) -> dict[str, int | None]:
                     counts[callee] = inner
                     pending.append(callee)
     return counts
-
-
-# Ops that need a whole dimension, as JAX names them: propagation drops (reshape, sort,
-# top_k, cumulative ops) and ops XLA's partitioner cannot split along a sharded dimension.
-NEEDS_WHOLE = {"reshape", "sort", "argsort", "top_k", "cumsum", "cumprod", "cummax", "cummin",
-               "cumlogsumexp", "scatter", "scatter-add", "scatter_add", "scatter-mul",
-               "scatter-min", "scatter-max", "gather", "dynamic_slice", "dynamic_update_slice",
-               "reduce_window", "reduce_window_sum", "reduce_window_max", "custom_call",
-               "pallas_call", "ragged_dot", "ragged_dot_general", "segment_sum"}
 
 
 def _needed_by(instr: Instruction, consumer: Instruction | None) -> str:

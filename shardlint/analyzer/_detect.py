@@ -13,20 +13,16 @@ is there, in `_causes.py`.
 
 from __future__ import annotations
 
-import collections
-
 import networkx as nx
 
 from ._devices import MeshInfo, Sharding
-from ._attribution import attribute, link
+from ._attribution import Drop, attribute, link
 from ._graph import around, dims_of, operand_of, sharding_of, source_of, user_stack_of
 from ._model import Collective, Finding, GraphNode, Neighbourhood, Requested
+from ._patterns import feeds_grouped_matmul
 
-_LAYOUT_OPS = {"convert", "copy", "bitcast", "reshape", "transpose", "get-tuple-element",
-               "dynamic-slice", "all-gather", "parameter", "broadcast", "slice"}
 _CONSTRAINT_TARGETS = {"Sharding", "xla.sdy.ShardingConstraint"}
 _CONSTRAINT_OP_NAMES = {"sharding_constraint", "reshard"}
-_GMM_TARGET_WORDS = ("gmm", "ragged", "grouped", "megablox", "tgmm")
 
 
 def find_lost_sharding(graph: nx.DiGraph, mesh: MeshInfo, collectives: tuple[Collective, ...],
@@ -36,7 +32,7 @@ def find_lost_sharding(graph: nx.DiGraph, mesh: MeshInfo, collectives: tuple[Col
     `asked_lines` are the (file, line) pairs where the lowered program asks for a sharding:
     Shardy may export such a constraint as a plain copy."""
     findings, requested = [], []
-    raw = []
+    raw: list[Drop] = []
     for node, data in graph.nodes(data=True):
         op = _op_label(data, asked_lines)
         if op is None:
@@ -50,9 +46,10 @@ def find_lost_sharding(graph: nx.DiGraph, mesh: MeshInfo, collectives: tuple[Col
                                        user_stack_of(data["instr"], as_sources=True),
                                        sharding_of(graph, node).dims))
             continue
-        raw.append((node, op, lost, operand, element))
+        raw.append(Drop(node, op, lost, operand, element))
     links = link(graph, raw, mesh, collectives)
-    for node, op, lost, operand, element in raw:
+    for drop in raw:
+        node, op, lost, operand, element = drop.node, drop.op, drop.lost, drop.operand, drop.element
         linked = links.get(node, set())
         nbytes = sum(c.bytes for c in collectives if c.id in linked)
         feeds = feeds_grouped_matmul(graph, node)
@@ -157,69 +154,6 @@ def _constrained(graph, node, asked_lines) -> bool:
                 elif data["opcode"] in ("copy", "convert", "bitcast"):
                     nxt.append(user)
         frontier = nxt
-    return False
-
-
-def feeds_grouped_matmul(graph: nx.DiGraph, start: str) -> bool:
-    """Whether the value flows on to a grouped matmul before it is un-flattened again."""
-    operand = operand_of(graph, start, 0)
-    leading = dims_of(graph, operand[0], operand[1]) if operand else ()
-    seen, queue = {start}, collections.deque([start])
-    while queue:
-        node = queue.popleft()
-        for user in graph.successors(node):
-            if user in seen:
-                continue
-            seen.add(user)
-            if is_grouped_matmul(graph, user):
-                return True
-            out = dims_of(graph, user, 0)
-            if (graph.nodes[user]["opcode"] == "reshape" and len(leading) > 1
-                    and out[: len(leading) - 1] == leading[: len(leading) - 1]):
-                continue  # reshaped back to (batch, seq, ...): the token region ends here
-            queue.append(user)
-    return False
-
-
-def is_grouped_matmul(graph: nx.DiGraph, node: str) -> bool:
-    """ragged-dot, a gmm-like custom call, a dot that JAX traced from a grouped-matmul
-    primitive, or a dispatch einsum batched over the expert dim of stacked weights.
-
-    On XLA:CPU `jax.lax.ragged_dot` lowers to a masked dense `dot`, which the HLO alone
-    cannot tell from any other dot; the jaxpr can, so `build_graph` marks the dots at the
-    source lines of `ragged_dot_general` equations `grouped_matmul`.
-    """
-    data = graph.nodes[node]
-    opcode = data["opcode"]
-    if opcode in ("ragged-dot", "ragged_dot"):
-        return True
-    if opcode == "custom-call":
-        target = data["instr"].custom_call_target.lower()
-        return any(w in target for w in _GMM_TARGET_WORDS)
-    if opcode != "dot":
-        return False
-    if data["grouped_matmul"]:
-        return True
-    instr = data["instr"]
-    for position, batch_dims in ((0, instr.lhs_batch_dims), (1, instr.rhs_batch_dims)):
-        operand = operand_of(graph, node, position)
-        if (operand is not None and len(dims_of(graph, *operand)) == 3 and 0 in batch_dims
-                and _from_parameter(graph, operand[0])):
-            return True
-    return False
-
-
-def _from_parameter(graph, node, depth: int = 6) -> bool:
-    for _ in range(depth):
-        data = graph.nodes[node]
-        if data["opcode"] == "parameter":
-            return True
-        if data["opcode"] not in _LAYOUT_OPS:
-            return False
-        src = operand_of(graph, node, 0)
-        if src is None:
-            return False
-        node = src[0]
     return False
 
 

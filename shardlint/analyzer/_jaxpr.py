@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from jax._src import source_info_util
 
-GROUPED_MATMUL_PRIMITIVES = ("ragged_dot_general", "ragged_dot", "gmm", "tgmm")
+from ._patterns import is_grouped_matmul_eqn
 
 
 def grouped_matmul_sources(closed_jaxpr) -> frozenset[tuple[str, int]]:
@@ -21,10 +21,7 @@ def grouped_matmul_sources(closed_jaxpr) -> frozenset[tuple[str, int]]:
 
 def _walk(jaxpr, found: set) -> None:
     for eqn in jaxpr.eqns:
-        name = eqn.primitive.name
-        is_gmm = name in GROUPED_MATMUL_PRIMITIVES or (
-            name == "pallas_call" and any(w in str(eqn.params.get("name", "")) for w in ("gmm", "grouped")))
-        if is_gmm:
+        if is_grouped_matmul_eqn(eqn):
             frame = source_info_util.user_frame(eqn.source_info.traceback) if eqn.source_info.traceback else None
             if frame is not None:
                 found.add((frame.file_name, frame.start_line))

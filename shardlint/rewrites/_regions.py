@@ -23,6 +23,7 @@ from jax.sharding import PartitionSpec as P
 
 from .._errors import RewriteError
 from ..analyzer._detect import reshape_groups
+from ..analyzer._patterns import is_grouped_matmul_eqn
 
 # Producers whose non-token result is a sum over tokens: psum across shards restores it.
 _TOKEN_REDUCTIONS = {"reduce_sum", "dot_general", "ragged_dot_general", "scatter-add", "scatter_add"}
@@ -365,8 +366,6 @@ def _literals(eqn) -> list:
 def _routed_only(eqns, region: set[int], producer) -> set[int]:
     """The connected parts of the region that hold a grouped matmul (a routed-expert
     region); other token flattens (a cross-entropy over flattened tokens) stay as they are."""
-    from ..analyzer._jaxpr import GROUPED_MATMUL_PRIMITIVES
-
     parent = {i: i for i in region}
 
     def find(i):
@@ -380,7 +379,7 @@ def _routed_only(eqns, region: set[int], producer) -> set[int]:
             p = producer.get(v)
             if p in region:
                 parent[find(i)] = find(p)
-    routed = {find(i) for i in region if eqns[i].primitive.name in GROUPED_MATMUL_PRIMITIVES
+    routed = {find(i) for i in region if is_grouped_matmul_eqn(eqns[i])
               or _expert_batched(eqns[i], producer)}
     return {i for i in region if find(i) in routed}
 

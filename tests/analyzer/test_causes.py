@@ -118,3 +118,11 @@ def test_prejitted_and_nnx_steps_analyze_like_the_plain_function():
     # nnx.jit traced itself: the backward pass and its gradient reductions are there.
     assert len(nnx_step.by_cause("reduction")) >= len(jitted.by_cause("reduction")) - 1
     assert jitted.memory.alias_bytes > 0  # donation kept
+
+
+def test_the_text_report_counts_loop_iterations_and_shows_causes():
+    from shardlint.reports import format_text
+
+    text = format_text(_analysis("make_scanned_layers_step"))
+    assert f"x{cause_steps.LAYERS} iterations" in text
+    assert " lost " in text and " reduction " in text

@@ -1,0 +1,102 @@
+"""What a grouped matmul and a routed-expert computation are: defined once, for all.
+
+The analyzer asks whether a lost value flows into a grouped matmul (in the propagated HLO,
+`is_grouped_matmul` / `feeds_grouped_matmul`) and which jaxpr equations are grouped matmuls
+(`is_grouped_matmul_eqn`, matched back to HLO by source line because XLA:CPU lowers
+`ragged_dot` to a masked dense dot); the rewrites ask the same of the jaxpr to find routed
+regions. `NEEDS_WHOLE` names the ops that need a whole dimension: where a gather of a
+sharded activation is placed for.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import networkx as nx
+
+from ._graph import dims_of, operand_of
+
+GROUPED_MATMUL_PRIMITIVES = ("ragged_dot_general", "ragged_dot", "gmm", "tgmm")
+_GMM_TARGET_WORDS = ("gmm", "ragged", "grouped", "megablox", "tgmm")
+_LAYOUT_OPS = {"convert", "copy", "bitcast", "reshape", "transpose", "get-tuple-element",
+               "dynamic-slice", "all-gather", "parameter", "broadcast", "slice"}
+
+# Ops that need a whole dimension, as JAX names them: propagation drops (reshape, sort,
+# top_k, cumulative ops) and ops XLA's partitioner cannot split along a sharded dimension.
+NEEDS_WHOLE = {"reshape", "sort", "argsort", "top_k", "cumsum", "cumprod", "cummax", "cummin",
+               "cumlogsumexp", "scatter", "scatter-add", "scatter_add", "scatter-mul",
+               "scatter-min", "scatter-max", "gather", "dynamic_slice", "dynamic_update_slice",
+               "reduce_window", "reduce_window_sum", "reduce_window_max", "custom_call",
+               "pallas_call", "ragged_dot", "ragged_dot_general", "segment_sum"}
+
+
+
+def is_grouped_matmul_eqn(eqn) -> bool:
+    """A jaxpr equation that is a grouped matmul: `ragged_dot_general`, or a megablox-style
+    Pallas kernel named for it."""
+    name = eqn.primitive.name
+    return name in GROUPED_MATMUL_PRIMITIVES or (
+        name == "pallas_call" and any(w in str(eqn.params.get("name", "")) for w in ("gmm", "grouped")))
+
+
+def feeds_grouped_matmul(graph: nx.DiGraph, start: str) -> bool:
+    """Whether the value flows on to a grouped matmul before it is un-flattened again."""
+    operand = operand_of(graph, start, 0)
+    leading = dims_of(graph, operand[0], operand[1]) if operand else ()
+    seen, queue = {start}, collections.deque([start])
+    while queue:
+        node = queue.popleft()
+        for user in graph.successors(node):
+            if user in seen:
+                continue
+            seen.add(user)
+            if is_grouped_matmul(graph, user):
+                return True
+            out = dims_of(graph, user, 0)
+            if (graph.nodes[user]["opcode"] == "reshape" and len(leading) > 1
+                    and out[: len(leading) - 1] == leading[: len(leading) - 1]):
+                continue  # reshaped back to (batch, seq, ...): the token region ends here
+            queue.append(user)
+    return False
+
+
+def is_grouped_matmul(graph: nx.DiGraph, node: str) -> bool:
+    """ragged-dot, a gmm-like custom call, a dot that JAX traced from a grouped-matmul
+    primitive, or a dispatch einsum batched over the expert dim of stacked weights.
+
+    On XLA:CPU `jax.lax.ragged_dot` lowers to a masked dense `dot`, which the HLO alone
+    cannot tell from any other dot; the jaxpr can, so `build_graph` marks the dots at the
+    source lines of `ragged_dot_general` equations `grouped_matmul`.
+    """
+    data = graph.nodes[node]
+    opcode = data["opcode"]
+    if opcode in ("ragged-dot", "ragged_dot"):
+        return True
+    if opcode == "custom-call":
+        target = data["instr"].custom_call_target.lower()
+        return any(w in target for w in _GMM_TARGET_WORDS)
+    if opcode != "dot":
+        return False
+    if data["grouped_matmul"]:
+        return True
+    instr = data["instr"]
+    for position, batch_dims in ((0, instr.lhs_batch_dims), (1, instr.rhs_batch_dims)):
+        operand = operand_of(graph, node, position)
+        if (operand is not None and len(dims_of(graph, *operand)) == 3 and 0 in batch_dims
+                and _from_parameter(graph, operand[0])):
+            return True
+    return False
+
+
+def _from_parameter(graph, node, depth: int = 6) -> bool:
+    for _ in range(depth):
+        data = graph.nodes[node]
+        if data["opcode"] == "parameter":
+            return True
+        if data["opcode"] not in _LAYOUT_OPS:
+            return False
+        src = operand_of(graph, node, 0)
+        if src is None:
+            return False
+        node = src[0]
+    return False
