@@ -143,10 +143,12 @@ def _source(frame) -> Source:
     return Source(display_path(frame.file), frame.line, frame.function)
 
 
-def _nearby(key: tuple, graph, stacks, radius: int = 1) -> frozenset:
+def _nearby(key: tuple, graph, stacks, radius: int = 3) -> frozenset:
     """The ask's stack and the stacks of the ops within `radius` edges upstream of it: XLA
-    may move the gather of a constrained value to the op that made it (gathering the input
-    of the K and V projections once, rather than K and V)."""
+    may move the gather of a constrained value to the ops that made it. Gathering K and V
+    over the sequence, it gathers their projections' input once instead, labelled at the
+    projection (JAX 0.10) or, in the backward, at the norm before it, three ops above the
+    constraint (reshape <- dot <- mul; JAX 0.12)."""
     found = {key} if key else set()
     if graph is None:
         return frozenset(found)

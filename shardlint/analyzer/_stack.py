@@ -21,8 +21,12 @@ import sys
 import sysconfig
 from pathlib import PurePath
 
-# Frames inside these installed packages are never the user's.
-LIBRARIES = ("jax", "jaxlib", "flax", "optax", "numpy")
+# Frames inside these installed packages are never the user's: JAX and the libraries
+# around it, and the test runner a step may be analyzed under.
+LIBRARIES = ("jax", "jaxlib", "flax", "optax", "numpy", "_pytest", "pytest", "pluggy")
+# A stack keeps at most this many user frames, innermost first: the outer ones (the
+# training loop's entry point, the command line) say nothing about the op.
+MAX_FRAMES = 12
 # shardlint's machinery; its `moe` and `examples` are model code that users run, and stay.
 _MACHINERY_PACKAGES = ("analyzer", "rewrites", "gate", "reports", "commands")
 _MACHINERY_MODULES = ("cli.py", "pytest_plugin.py", "testing.py")
@@ -81,9 +85,10 @@ def parse_stack_frames(lines: list[str]) -> dict[int, tuple[SourceLocation, ...]
 
 
 def user_stack(stack: tuple[SourceLocation, ...]) -> tuple[SourceLocation, ...]:
-    """The frames of a stack that are the user's code; the innermost frame if none is."""
+    """The frames of a stack that are the user's code (at most `MAX_FRAMES`, innermost
+    first); the innermost frame if none is."""
     kept = tuple(frame for frame in stack if not is_library_file(frame.file))
-    return kept or tuple(stack[:1])
+    return kept[:MAX_FRAMES] or tuple(stack[:1])
 
 
 @functools.lru_cache(maxsize=65536)
@@ -148,14 +153,6 @@ def _package_root(path: PurePath) -> PurePath | None:
     while os.path.exists(folder / "__init__.py"):
         root = folder = folder.parent
     return root
-
-
-def format_frames(stack: tuple[SourceLocation, ...], n: int = 2) -> str:
-    """The n innermost frames of a stack (given innermost first) as one line: the outermost
-    of them first, then `via` the helpers it called, `layers/moe.py:3969 via
-    utils/sharding.py:128`; one frame prints as `file:line`."""
-    shown = [f"{display_path(f.file)}:{f.line}" for f in stack[:max(n, 1)]]
-    return " via ".join(reversed(shown))
 
 
 @functools.lru_cache(maxsize=None)

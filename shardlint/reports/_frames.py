@@ -5,6 +5,8 @@ same helper line (`maxtext/utils/sharding.py:128`); the line that matters is the
 frame that is not such a helper. A frame is a helper when, across the analysis, it is
 reached from more than one caller. Shown as `maxtext/layers/moe.py:3969 via
 maxtext/utils/sharding.py:128`; one frame when the innermost is already the user's line.
+The helpers are the innermost run of frames that are reached from several callers or
+that only lead into such a frame (a private function of the shared helper).
 """
 
 from __future__ import annotations
@@ -27,8 +29,15 @@ def shown_frames(stack: tuple[Source, ...], helpers: frozenset, fallback: Source
     """(the user's line,) or (the user's line, the innermost helper frame)."""
     if not stack:
         return (fallback,) if fallback is not None else ()
+    shared = [(f.file, f.line) in helpers for f in stack]
+    last = -1
+    for i in range(len(stack)):
+        if shared[i]:
+            last = i
+        elif not (i + 1 < len(stack) and shared[i + 1]):
+            break
     innermost = stack[0]
-    mine = next((f for f in stack if (f.file, f.line) not in helpers), innermost)
+    mine = stack[last + 1] if last + 1 < len(stack) else innermost
     return (mine,) if mine == innermost else (mine, innermost)
 
 
