@@ -76,8 +76,8 @@ def explain(collectives: tuple[Collective, ...], module: HloModule, marks: dict[
         if ask is not None:
             used_asks.add(ask)
         explained.append(dataclasses.replace(c, cause=cause))
-    findings = [_with_cause(f, explained) for f in drops]
-    findings += _partitioner_findings(explained, dropped_by, by_name, graph, stacks)
+    findings = list(drops)  # already lost, at their op, with per-step bytes (_detect.py)
+    findings += _partitioner_findings(explained, dropped_by, graph, stacks)
     findings += _remat_findings(remats, graph)
     requested = tuple(dict.fromkeys(
         a.requested for a in asks if not a.listed_when_used or a in used_asks))
@@ -106,12 +106,17 @@ def _cause(c: Collective, mark: int, own: tuple, dropped_by, asks) -> tuple[str,
 
 
 def _stack_index(graph: nx.DiGraph) -> dict[tuple, list[str]]:
+    """The propagated ops by their user stack (stack_key)."""
     index: dict[tuple, list[str]] = {}
-    for node in graph.nodes:
-        key = stack_key(user_stack_of(graph.nodes[node]["instr"]))
+    for node, data in graph.nodes(data=True):
+        key = _key_of(data)
         if key:
             index.setdefault(key, []).append(node)
     return index
+
+
+def _key_of(data) -> tuple:
+    return stack_key(user_stack_of(data["instr"]))
 
 
 def _asks(requested, asked, graph, stacks, mesh_axes) -> list[_Ask]:
@@ -155,18 +160,12 @@ def _nearby(key: tuple, graph, stacks, radius: int = 3) -> frozenset:
     frontier = list(stacks.get(key, ()))
     for _ in range(radius):  # upstream only: ops whose values flow into the ask
         frontier = [p for n in frontier for p in graph.predecessors(n)]
-        found.update(stack_key(user_stack_of(graph.nodes[p]["instr"])) for p in frontier)
+        found.update(_key_of(graph.nodes[p]) for p in frontier)
     found.discard(())
     return frozenset(found)
 
 
-def _with_cause(f: Finding, collectives) -> Finding:
-    mine = [c for c in collectives if c.id in f.collectives]
-    return dataclasses.replace(f, cause=LOST, needed_by=f.op,
-                               bytes=sum(c.step_bytes for c in mine))
-
-
-def _partitioner_findings(collectives, dropped_by, by_name, graph, stacks) -> list[Finding]:
+def _partitioner_findings(collectives, dropped_by, graph, stacks) -> list[Finding]:
     """One finding per op the partitioner could not split, for the lost collectives that no
     propagation drop explains: grouped by the op XLA labelled them with."""
     groups: dict[tuple, list[Collective]] = {}

@@ -106,22 +106,29 @@ def _users(module: HloModule) -> dict[str, list[Instruction]]:
     return users
 
 
-def _consumer(instr: Instruction, users) -> Instruction | None:
-    """The first op past layout-only ops that reads the collective's result."""
-    frontier, seen = [instr], {instr.name}
-    while frontier:
+def _first_reader(instr: Instruction, users, pick, hops: int | None = None):
+    """Walks the ops reading the collective's result, nearest first, and returns the first
+    `pick(op)` that is not None (within `hops` steps when given)."""
+    frontier, seen, depth = [instr], {instr.name}, 0
+    while frontier and (hops is None or depth < hops):
         nxt = []
         for node in frontier:
             for user in users.get(node.name, ()):
                 if user.name in seen:
                     continue
                 seen.add(user.name)
-                if user.opcode in _PASS_THROUGH or user.source is None:
-                    nxt.append(user)
-                else:
-                    return user
-        frontier = nxt
+                found = pick(user)
+                if found is not None:
+                    return found
+                nxt.append(user)
+        frontier, depth = nxt, depth + 1
     return None
+
+
+def _consumer(instr: Instruction, users) -> Instruction | None:
+    """The first op past layout-only ops that reads the collective's result."""
+    return _first_reader(instr, users,
+                         lambda u: None if u.opcode in _PASS_THROUGH or u.source is None else u)
 
 
 def _contracts(instr: Instruction | None) -> bool:
@@ -132,19 +139,7 @@ def _contracts(instr: Instruction | None) -> bool:
 def _needing(instr: Instruction, users, module: HloModule, hops: int = 6) -> Instruction | None:
     """The nearest op reading the collective's result (within `hops` ops) that needs a whole
     dimension, looking inside fusions: the op the gather was placed for."""
-    frontier, seen = [instr], {instr.name}
-    for _ in range(hops):
-        nxt = []
-        for node in frontier:
-            for user in users.get(node.name, ()):
-                if user.name in seen:
-                    continue
-                seen.add(user.name)
-                if _op_needing_whole(user, module) is not None:
-                    return _op_needing_whole(user, module)
-                nxt.append(user)
-        frontier = nxt
-    return None
+    return _first_reader(instr, users, lambda u: _op_needing_whole(u, module), hops)
 
 
 def _op_needing_whole(instr: Instruction, module: HloModule) -> Instruction | None:

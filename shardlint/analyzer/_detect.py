@@ -51,7 +51,7 @@ def find_lost_sharding(graph: nx.DiGraph, mesh: MeshInfo, collectives: tuple[Col
     for drop in raw:
         node, op, lost, operand, element = drop.node, drop.op, drop.lost, drop.operand, drop.element
         linked = links.get(node, set())
-        nbytes = sum(c.bytes for c in collectives if c.id in linked)
+        nbytes = sum(c.step_bytes for c in collectives if c.id in linked)
         feeds = feeds_grouped_matmul(graph, node)
         findings.append(_finding(graph, node, op, lost, operand, element, feeds,
                                  tuple(sorted(linked)), nbytes))

@@ -19,7 +19,9 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from shardlint.examples.steps import routed_moe
+from shardlint.examples.steps import _loss_step, routed_moe
+
+from ._markers import marker_line as line_of_marker
 
 BATCH, SEQ, EMB, MLP, EXPERTS, TOP_K, LAYERS, HEADS = 8, 64, 16, 32, 4, 2, 4, 4
 
@@ -45,16 +47,6 @@ def _batch(mesh, spec=P("data", "context", None)):
 def _moe_params(mesh, layers=()):
     shapes = {"w_gate": (EMB, EXPERTS), "w_in": (EXPERTS, EMB, MLP), "w_out": (EXPERTS, MLP, EMB)}
     return {k: _sds(mesh, (*layers, *v)) for k, v in shapes.items()}
-
-
-def _loss_step(layer):
-    def step(params, x_BSD):
-        def loss(params):
-            return jnp.mean(layer(params, x_BSD) ** 2)
-
-        return jax.value_and_grad(loss)(params)
-
-    return step
 
 
 def _dense_experts(params, x_BSD, combine_BSE):
@@ -326,8 +318,4 @@ def make_clean_step(mesh):
 
 
 def marker_line(marker: str) -> int:
-    with open(__file__) as fh:
-        for number, line in enumerate(fh, 1):
-            if line.rstrip().endswith(f"# <- {marker}"):
-                return number
-    raise LookupError(marker)
+    return line_of_marker(__file__, marker)

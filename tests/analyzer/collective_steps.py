@@ -11,6 +11,8 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from ._markers import marker_line as line_of_marker
+
 
 def make_collectives_step(mesh, a2a_axis: str, scatter_axis: str, permute_axis: str, sum_axis: str):
     def body(x, y):
@@ -37,11 +39,7 @@ def _no_check():
 
 
 def marker_line(kind: str) -> int:
-    with open(__file__) as fh:
-        for number, line in enumerate(fh, 1):
-            if line.rstrip().endswith(f"# <- {kind}"):
-                return number
-    raise LookupError(kind)
+    return line_of_marker(__file__, kind)
 
 
 def make_remat_step(mesh):

@@ -19,13 +19,11 @@ from shardlint.analyzer._stack import SourceLocation, display_path, user_stack
 from shardlint.examples import steps
 from shardlint.moe import _routing
 
+from ._markers import marker_line
+
 
 def _marker(tag: str) -> int:
-    with open(__file__) as fh:
-        for number, line in enumerate(fh, 1):
-            if line.rstrip().endswith(f"# <- {tag}"):
-                return number
-    raise LookupError(tag)
+    return marker_line(__file__, tag)
 
 
 def _inner(x):
