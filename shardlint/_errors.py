@@ -18,3 +18,7 @@ class AnalysisError(ShardlintError):
 
 class RewriteError(ShardlintError):
     """A step that cannot be rewritten safely, or whose rewrite changed the numbers."""
+
+
+class NothingToRewrite(UserWarning):
+    """`shardlint.rewrite` found no routed region that loses sharding: the step is unchanged."""

@@ -65,3 +65,45 @@ def set_mesh(mesh):
     """`jax.set_mesh(mesh)` as a context manager (JAX 0.7+); a no-op context before."""
     set_mesh_fn = getattr(jax, "set_mesh", None)
     return set_mesh_fn(mesh) if set_mesh_fn is not None else contextlib.nullcontext()
+
+
+# --- jaxpr replay (shardlint.rewrites). The same in JAX 0.10.2 through 0.12.0.1. ---------
+
+def is_literal(atom) -> bool:
+    """A jaxpr Literal (constant operand), as opposed to a Var."""
+    from jax._src import core
+
+    return isinstance(atom, core.Literal)
+
+
+def user_frame(eqn) -> tuple[str, int] | None:
+    """(file, line) of the innermost user frame that traced `eqn`
+    (`source_info_util.user_frame`, private)."""
+    from jax._src import source_info_util
+
+    traceback = eqn.source_info.traceback
+    frame = source_info_util.user_frame(traceback) if traceback else None
+    return (frame.file_name, frame.start_line) if frame else None
+
+
+@contextlib.contextmanager
+def as_traced(eqn):
+    """Binds made inside carry `eqn`'s source location, name stack and context (the
+    `user_context` and `name_stack` of `source_info_util`, private), so a replayed
+    equation still points at the user's line in the compiled program."""
+    from jax._src import source_info_util
+
+    name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
+    with source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack), eqn.ctx.manager:
+        yield
+
+
+def open_jaxpr(closed) -> tuple[object, list]:
+    """`(jaxpr, consts)`: a ClosedJaxpr as an open Jaxpr that takes its constants as
+    leading inputs (`partial_eval.convert_constvars_jaxpr`, private), for primitives whose
+    parameter is an open Jaxpr (`checkpoint`/`remat`)."""
+    from jax._src.interpreters import partial_eval as pe
+
+    if not closed.consts:
+        return closed.jaxpr, []
+    return pe.convert_constvars_jaxpr(closed.jaxpr), list(closed.consts)

@@ -134,20 +134,27 @@ def _entry_marks(traced, lowered, params_argnums) -> dict[int, int]:
     always data, and so is anything not inferred: calling a weight an activation costs a
     false finding, calling an activation a weight would hide a lost gather.
     """
-    outputs = {(tuple(a.shape), str(a.dtype)) for a in traced.jaxpr.out_avals}
     # The positional arguments as the jitted function received them (for nnx.jit, the
     # graph nodes' states), each as its flat leaves.
     positional = traced.args_info[0]
     leaves_per_arg = [jax.tree_util.tree_leaves(a) for a in positional]
     if params_argnums is None:
-        params_argnums = tuple(
-            i for i, leaves in enumerate(leaves_per_arg[:-1])
-            if any(_is_float(x) for x in leaves)
-            and all((tuple(x.shape), str(x.dtype)) in outputs for x in leaves if _is_float(x)))
+        params_argnums = parameter_argnums(leaves_per_arg, traced.jaxpr.out_avals)
     marks = [WEIGHTS if i in params_argnums else DATA
              for i, leaves in enumerate(leaves_per_arg) for _ in leaves]
     kept = _jax.kept_argument_indices(lowered, len(marks))
     return {number: marks[index] for number, index in enumerate(kept) if index < len(marks)}
+
+
+def parameter_argnums(leaves_per_arg: list[list], out_avals) -> tuple[int, ...]:
+    """The positional arguments that hold parameters, as a training step returns them:
+    every argument but the last whose floating-point leaves come back as outputs of the
+    same shape and dtype. The analysis (weights vs data) and the rewrite (which
+    arguments carry tokens) read the same answer."""
+    outputs = {(tuple(a.shape), str(a.dtype)) for a in out_avals}
+    return tuple(i for i, leaves in enumerate(leaves_per_arg[:-1])
+                 if any(_is_float(x) for x in leaves)
+                 and all((tuple(x.shape), str(x.dtype)) in outputs for x in leaves if _is_float(x)))
 
 
 def _is_float(leaf) -> bool:

@@ -1,87 +1,120 @@
 """Emit the rewritten step: the original equations, with each planned group of region
 equations replaced by one `shard_map` over the token axes that replays the same equations
-at per-shard shapes.
+at per-shard shapes, and each body that holds a region bound again with its rewritten
+jaxpr (same primitive, same parameters: a scan keeps its length, a jit its shardings and
+donation, a checkpoint its policy).
 
 Inputs and outputs that carry tokens keep their sharding through the group boundary;
 per-shard values that another group needs (group sizes, say) travel stacked along a
 leading shard axis; values that leave the region for the rest of the program (weight
-gradients) are sums over tokens and are `psum`med across the token axes.
+gradients) are sums over tokens and are `psum`med across the token axes; token-sized
+constants are rebuilt inside the shard.
 """
 
 from __future__ import annotations
 
+import math
+
 import jax
 from jax.sharding import PartitionSpec as P
 
-from ._regions import Group, Plan
+from ._regions import Group, Level, Plan
 from ._replay import bind_eqn, read
+from ._subjaxprs import bind_with
 
 
 def emit(plan: Plan, mesh):
     """A function of the step's flattened arguments returning its flattened outputs."""
-    g_jaxpr = plan.global_jaxpr.jaxpr
-    eqns = g_jaxpr.eqns
-    at_last_eqn = {grp.eqns[-1]: grp for grp in plan.groups}
-    in_group = {i for grp in plan.groups for i in grp.eqns}
-    stacked_vars = {v for grp in plan.groups for v in grp.stacked}
-
-    def run(*flat_args):
-        env: dict = {}        # global values
-        stacked: dict = {}    # per-shard values stacked along a leading shard axis
-        env.update(zip(g_jaxpr.constvars, plan.global_jaxpr.consts))
-        env.update(zip(g_jaxpr.invars, flat_args))
-        pending = [i for i in range(len(eqns)) if i not in in_group or i in at_last_eqn]
-        while pending:
-            k = next((k for k, i in enumerate(pending)
-                      if _ready(i, at_last_eqn, eqns, env, stacked, stacked_vars)), None)
-            if k is None:
-                raise AssertionError("rewrite schedule has a cycle")  # groups are convex
-            i = pending.pop(k)
-            if i in at_last_eqn:
-                _emit_group(at_last_eqn[i], plan, mesh, env, stacked, stacked_vars)
-            else:
-                eqn = eqns[i]
-                env.update(zip(eqn.outvars, bind_eqn(eqn, [read(env, a) for a in eqn.invars])))
-        return [read(env, v) for v in g_jaxpr.outvars]
-
-    return run
+    return _Emitter(plan, mesh).level_fn(plan.top)
 
 
-def _ready(i, at_last_eqn, eqns, env, stacked, stacked_vars) -> bool:
-    if i in at_last_eqn:
-        return all((v in stacked) if v in stacked_vars else (v in env) for v in at_last_eqn[i].inputs)
-    return all(a in env for a in eqns[i].invars if not hasattr(a, "val"))
+class _Emitter:
+    def __init__(self, plan: Plan, mesh):
+        self.plan, self.mesh = plan, mesh
+        self.token_axes = plan.axes.all
+        self.shards = math.prod(mesh.shape[a] for a in self.token_axes)
+        axes = self.token_axes
+        self.stacked_spec = P(axes if len(axes) > 1 else axes[0])
 
+    def level_fn(self, level: Level):
+        jaxpr = level.jaxpr
+        eqns = jaxpr.eqns
+        at_last = {grp.eqns[-1]: grp for grp in level.groups}
+        in_group = {i for grp in level.groups for i in grp.eqns}
 
-def _emit_group(grp: Group, plan: Plan, mesh, env, stacked, stacked_vars) -> None:
-    token_axes = plan.axes.batch + plan.axes.seq
-    stacked_spec = P(token_axes if len(token_axes) > 1 else token_axes[0])
-    l_eqns = plan.local_jaxpr.jaxpr.eqns
-    sharded_out = [v for v in grp.outputs if v in plan.specs]
-    summed_out = [v for v in grp.outputs if v in grp.summed]
-    stacked_out = [v for v in grp.outputs if v in grp.stacked]
-    in_specs = tuple(stacked_spec if v in stacked_vars else plan.specs.get(v, P()) for v in grp.inputs)
-    out_specs = tuple([plan.specs[v] for v in sharded_out] + [P()] * len(summed_out)
-                      + [stacked_spec] * len(stacked_out))
+        def run(*invals):
+            env: dict = dict(zip(jaxpr.constvars, level.consts))   # global values
+            stacked: dict = {}   # per-shard values stacked along a leading shard axis
+            for v, x in zip(jaxpr.invars, invals):
+                (stacked if v in level.stacked_in else env)[v] = x
+            pending = [i for i in range(len(eqns)) if i not in in_group or i in at_last]
+            while pending:
+                k = next((k for k, i in enumerate(pending)
+                          if self._ready(i, at_last, eqns, env, stacked)), None)
+                if k is None:
+                    raise AssertionError("rewrite schedule has a cycle")  # groups are convex
+                i = pending.pop(k)
+                if i in at_last:
+                    self._group(at_last[i], level, env, stacked)
+                elif i in level.subs:
+                    self._sub(eqns[i], level.subs[i], env, stacked)
+                else:
+                    eqn = eqns[i]
+                    env.update(zip(eqn.outvars, bind_eqn(eqn, [read(env, a) for a in eqn.invars])))
+            return [stacked[v] if k in level.stacked_out else read(env, v)
+                    for k, v in enumerate(jaxpr.outvars)]
 
-    def body(*local_inputs):
-        local: dict = {}
-        for v, value in zip(grp.inputs, local_inputs):
-            local[plan.local_of[v]] = value[0] if v in stacked_vars else value
-        for i in grp.eqns:
-            eqn = l_eqns[i]
-            local.update(zip(eqn.outvars, bind_eqn(eqn, [read(local, a) for a in eqn.invars], manual=True)))
-        return (tuple(local[plan.local_of[v]] for v in sharded_out)
-                + tuple(jax.lax.psum(local[plan.local_of[v]], token_axes) for v in summed_out)
-                + tuple(local[plan.local_of[v]][None] for v in stacked_out))
+        return run
 
-    # Manual over the token axes only: expert or tensor sharding of the weights stays
-    # XLA's to propagate. Size-1 axes are manual too (JAX counts them as referenced).
-    manual = set(token_axes) | {a for a, n in mesh.shape.items() if n == 1}
-    mapped = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
-                           axis_names=manual, check_vma=False)
-    results = mapped(*[stacked[v] if v in stacked_vars else env[v] for v in grp.inputs])
-    n1, n2 = len(sharded_out), len(sharded_out) + len(summed_out)
-    env.update(zip(sharded_out, results[:n1]))
-    env.update(zip(summed_out, results[n1:n2]))
-    stacked.update(zip(stacked_out, results[n2:]))
+    @staticmethod
+    def _ready(i, at_last, eqns, env, stacked) -> bool:
+        atoms = at_last[i].inputs if i in at_last else eqns[i].invars
+        return all(a in env or a in stacked for a in atoms if not hasattr(a, "val"))
+
+    def _sub(self, eqn, inner: Level, env, stacked) -> None:
+        invals = [stacked[a] if a in stacked else read(env, a) for a in eqn.invars]
+        avals = [jax.ShapeDtypeStruct(((self.shards,) if v in inner.stacked_in else ()) + v.aval.shape,
+                                      v.aval.dtype, weak_type=getattr(v.aval, "weak_type", False))
+                 for v in inner.jaxpr.invars]
+        new_inner = jax.make_jaxpr(self.level_fn(inner))(*avals)
+        outs = bind_with(eqn, new_inner, invals)
+        for k, (v, x) in enumerate(zip(eqn.outvars, outs)):
+            (stacked if k in inner.stacked_out else env)[v] = x
+
+    def _group(self, grp: Group, level: Level, env, stacked) -> None:
+        plan, token_axes = self.plan, self.token_axes
+        l_eqns = level.local.eqns
+        passed = [v for v in grp.inputs if v not in level.built]
+        sharded_out = [v for v in grp.outputs if v in plan.specs]
+        summed_out = [v for v in grp.outputs if v in grp.summed]
+        stacked_out = [v for v in grp.outputs if v in grp.stacked]
+        in_specs = tuple(self.stacked_spec if v in stacked else plan.specs.get(v, P()) for v in passed)
+        out_specs = tuple([plan.specs[v] for v in sharded_out] + [P()] * len(summed_out)
+                          + [self.stacked_spec] * len(stacked_out))
+        arrives_stacked = [v in stacked for v in passed]
+
+        def body(*local_inputs):
+            local: dict = {}
+            memo: dict = {}
+            for v, value, is_stacked in zip(passed, local_inputs, arrives_stacked):
+                local[plan.local_of[v]] = value[0] if is_stacked else value
+            for v in grp.inputs:
+                if v in level.built:
+                    local[plan.local_of[v]] = level.built[v](memo)
+            for i in grp.eqns:
+                eqn = l_eqns[i]
+                local.update(zip(eqn.outvars, bind_eqn(eqn, [read(local, a) for a in eqn.invars], manual=True)))
+            return (tuple(local[plan.local_of[v]] for v in sharded_out)
+                    + tuple(jax.lax.psum(local[plan.local_of[v]], token_axes) for v in summed_out)
+                    + tuple(local[plan.local_of[v]][None] for v in stacked_out))
+
+        # Manual over the token axes only: expert or tensor sharding of the weights stays
+        # XLA's to propagate. Size-1 axes are manual too (JAX counts them as referenced).
+        manual = set(token_axes) | {a for a, n in self.mesh.shape.items() if n == 1}
+        mapped = jax.shard_map(body, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs,
+                               axis_names=manual, check_vma=False)
+        results = mapped(*[stacked[v] if v in stacked else env[v] for v in passed])
+        n1, n2 = len(sharded_out), len(sharded_out) + len(summed_out)
+        env.update(zip(sharded_out, results[:n1]))
+        env.update(zip(summed_out, results[n1:n2]))
+        stacked.update(zip(stacked_out, results[n2:]))

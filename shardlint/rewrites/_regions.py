@@ -1,18 +1,19 @@
-"""Find the routed-expert regions of a traced step and plan them as per-shard computations.
-
-The step is traced three times: at its global shapes, at one shard's shapes (batch and
-sequence divided by their mesh degrees), and with only the sequence divided. The traces
-have the same equations (the user's code runs the same way at any size); a dimension
-that shrinks is a token dimension, and by how much says which mesh axes shard it. The
-per-shard trace supplies every shape parameter (iota sizes, zeros, reshapes) of the
-region's equations at local size, so nothing has to guess which sizes are token counts.
+"""Find the routed-expert regions of a traced step, in every jaxpr a layer can live in.
 
 A region starts at a reshape that merges a sequence-sharded dimension into tokens, grows
 forward through everything that carries those tokens (and the per-shard values derived
 from them that feed back into tokens, like group sizes), and ends where tokens are
-reshaped back to `(batch, seq, ...)` or reduced away. Region equations are split into
-groups that can each run as one `shard_map` (the forward and the backward of a layer
-are separate groups: the loss lies between them).
+reshaped back to `(batch, seq, ...)` or reduced away. Regions are planned in the step's
+own jaxpr and, recursively, inside the jit, scan and checkpoint bodies it holds
+(`_subjaxprs`): a scan over stacked layers is rewritten once, in its body, and keeps its
+layer count; the rematerialized backward is a body of its own.
+
+Values cross body boundaries in three ways besides their global form: tokens in per-shard
+order (a scan without remat saves the flattened tokens of each layer for its backward),
+per-shard values stacked along a leading shard axis (group sizes saved the same way),
+and token-sized constants (iotas JAX hoisted out of a loop), which a shard rebuilds at
+its own size from the per-shard trace instead of receiving the global one. Each may only
+reach a body that consumes it inside a region; anything else is refused.
 """
 
 from __future__ import annotations
@@ -21,153 +22,239 @@ import dataclasses
 
 from jax.sharding import PartitionSpec as P
 
+from .. import _jax
 from .._errors import RewriteError
 from ..analyzer._detect import reshape_groups
 from ..analyzer._patterns import is_grouped_matmul_eqn
-
-# Producers whose non-token result is a sum over tokens: psum across shards restores it.
-_TOKEN_REDUCTIONS = {"reduce_sum", "dot_general", "ragged_dot_general", "scatter-add", "scatter_add"}
-# Linear in a single region operand (the other operands are the same on every shard).
-_LINEAR_UNARY = {"neg", "convert_element_type", "reshape", "transpose", "broadcast_in_dim",
-                 "squeeze", "expand_dims", "copy", "copy_p", "reduce_sum", "mul", "dot_general"}
-_LINEAR_SUMS = {"add", "add_any", "sub"}
-
-
-@dataclasses.dataclass(frozen=True)
-class TokenAxes:
-    batch: tuple[str, ...]
-    seq: tuple[str, ...]
+from . import _refusals
+from ._groups import Group, boundaries, convex_groups
+from ._replay import bind_eqn, read
+from ._subjaxprs import carries, sub_of
+from ._trace import TokenAxes, Traces, entry_axes, pair_vars
 
 
 @dataclasses.dataclass
-class Group:
-    eqns: list[int]                       # indices into the jaxpr's equations, in order
-    inputs: list = dataclasses.field(default_factory=list)        # global Vars read
-    outputs: list = dataclasses.field(default_factory=list)       # global Vars written for others
-    summed: set = dataclasses.field(default_factory=set)          # outputs psum'd for the outside
-    stacked: set = dataclasses.field(default_factory=set)         # per-shard values for other groups
+class Level:
+    """One jaxpr (the step's, or a body inside it) and what runs per shard in it."""
+
+    jaxpr: object                 # open Jaxpr at global shapes
+    consts: tuple                 # its constants
+    local: object                 # the same jaxpr at one shard's shapes
+    local_consts: tuple
+    groups: list[Group]
+    subs: dict                    # eqn index -> Level of its rewritten body
+    stacked_in: set               # invars that arrive per shard, stacked on a leading axis
+    built: dict                   # Var -> builder: token-sized constants rebuilt per shard
+    stacked_out: set = dataclasses.field(default_factory=set)    # outvar positions
+    scrambled_out: set = dataclasses.field(default_factory=set)  # outvar positions
+
+    @property
+    def changed(self) -> bool:
+        return bool(self.groups or self.subs)
+
+    def count(self) -> int:
+        return len(self.groups) + sum(s.count() for s in self.subs.values())
 
 
 @dataclasses.dataclass
 class Plan:
-    global_jaxpr: object                  # ClosedJaxpr at global shapes
-    local_jaxpr: object                   # ClosedJaxpr at one shard's shapes
+    top: Level
     axes: TokenAxes
-    groups: list[Group]
-    specs: dict                           # Var -> PartitionSpec for token-carrying values
-    local_of: dict                        # global Var -> local Var
+    specs: dict                   # Var -> PartitionSpec of token-carrying values
+    local_of: dict                # global Var -> local Var
+    traces: Traces
 
 
-def plan_regions(global_jaxpr, local_jaxpr, seq_jaxpr, axes: TokenAxes) -> Plan:
-    g_eqns, l_eqns = global_jaxpr.jaxpr.eqns, local_jaxpr.jaxpr.eqns
-    if [e.primitive.name for e in g_eqns] != [e.primitive.name for e in l_eqns]:
-        raise RewriteError("the step traces differently at per-shard shapes (shape-dependent "
-                           "Python control flow?); it cannot be rewritten per shard")
-    local_of = _pair_vars(global_jaxpr.jaxpr, local_jaxpr.jaxpr)
-    seq_of = _pair_vars(global_jaxpr.jaxpr, seq_jaxpr.jaxpr)
+def plan_regions(traces: Traces, axes: TokenAxes) -> Plan:
+    g, l = traces.global_jaxpr, traces.local_jaxpr
+    local_of = pair_vars(g.jaxpr, l.jaxpr)
+    seq_of = pair_vars(g.jaxpr, traces.seq_jaxpr.jaxpr)
     specs: dict = {}
-    scaled: set = set()
-    doubly_scaled: set = set()   # two dims grow with the token count (e.g. a capacity)
+    doubly: set = set()   # two dims grow with the token count (e.g. a capacity)
     for var, lvar in local_of.items():
         spec = _spec(var, lvar, seq_of.get(var), axes)
         if spec is None:
             continue
         names = [a for entry in spec for a in entry_axes(entry)]
         if len(names) != len(set(names)):
-            doubly_scaled.add(var)
+            doubly.add(var)
             spec = P(*([None] * len(spec)))
         specs[var] = spec
-        scaled.add(var)
+    planner = _Planner(axes, specs, set(specs), doubly, local_of)
+    top = planner.level(g.jaxpr, tuple(g.consts), l.jaxpr, tuple(l.consts))
+    return Plan(top, axes, specs, local_of, traces)
 
-    seeds = {i for i, e in enumerate(g_eqns) if _merges_seq(e, specs, axes)}
-    exits = {i for i, e in enumerate(g_eqns) if _splits_tokens(e, specs, axes)}
-    if not seeds:
-        return Plan(global_jaxpr, local_jaxpr, axes, [], specs, local_of)
 
-    consumers = _consumers(g_eqns)
-    producer: dict = {}
-    for i, e in enumerate(g_eqns):
-        for v in e.outvars:
-            producer[v] = i
-    # Grow to a fixpoint: an equation joins when it reads tokens from the region, or reads
-    # a per-shard value (group sizes, offsets) and feeds back into the region.
-    region: set[int] = set(seeds)
-    changed = True
-    while changed:
-        changed = False
-        reaches = _reaches(g_eqns, consumers, region)
-        for i, e in enumerate(g_eqns):
-            if i in region:
-                continue
-            for v in _vars(e.invars):
-                p = producer.get(v)
-                if p is None or p not in region:
+class _Planner:
+    def __init__(self, axes, specs, scaled, doubly, local_of):
+        self.axes, self.specs, self.scaled, self.doubly = axes, specs, scaled, doubly
+        self.local_of = local_of
+
+    def level(self, jaxpr, consts, local, local_consts, *, scrambled_in=frozenset(),
+              stacked_in=frozenset(), built_in=None, crossable=frozenset()) -> Level:
+        eqns = jaxpr.eqns
+        producer = {v: i for i, e in enumerate(eqns) for v in e.outvars}
+        consumers = _consumers(eqns)
+        builders = _Builders(jaxpr, local, local_consts, producer, self.scaled, built_in or {})
+        region = self._region(eqns, producer, consumers, scrambled_in, stacked_in)
+        if region:
+            _refusals.refuse_token_coupling(eqns, region, self.specs)
+            for i in sorted(region):
+                for v in eqns[i].outvars:
+                    if v in self.doubly:
+                        _refusals.refuse_global_capacity(eqns[i], v)
+        groups = convex_groups(eqns, region)
+        level = Level(jaxpr, consts, local, local_consts, groups, {}, set(stacked_in), {})
+        outvars = {v: k for k, v in enumerate(jaxpr.outvars) if not _jax.is_literal(v)}
+        boundaries(level, eqns, local.eqns, producer, consumers, self.scaled, outvars, crossable,
+                   exits={i for i, e in enumerate(eqns) if _splits_tokens(e, self.specs, self.axes)},
+                   stacked_in=stacked_in)
+        for grp in groups:
+            for v in grp.inputs:
+                if v in self.scaled and v not in scrambled_in and builders.can_build(v):
+                    level.built[v] = builders.builder(v)
+        self._enter_bodies(level, eqns, region, consumers, builders, scrambled_in, stacked_in)
+        return level
+
+    def _region(self, eqns, producer, consumers, scrambled_in, stacked_in) -> set[int]:
+        seeds = {i for i, e in enumerate(eqns) if _merges_seq(e, self.specs, self.axes)}
+        arriving = set(scrambled_in) | set(stacked_in)
+        seeds |= {c for v in arriving for c in consumers.get(v, ()) if sub_of(eqns[c]) is None}
+        if not seeds:
+            return set()
+        exits = {i for i, e in enumerate(eqns) if _splits_tokens(e, self.specs, self.axes)}
+        # Grow to a fixpoint: an equation joins when it reads tokens from the region, or
+        # reads a per-shard value (group sizes, offsets) and feeds back into the region.
+        region: set[int] = set(seeds)
+        changed = True
+        while changed:
+            changed = False
+            reaches = _reaches(eqns, consumers, region)
+            for i, e in enumerate(eqns):
+                if i in region:
                     continue
-                carries_tokens = v in scaled and p not in exits
-                if carries_tokens or (v not in scaled and i in reaches):
-                    region.add(i)
-                    changed = True
-                    break
-    _pull_in_constants(g_eqns, region, scaled, producer)
-    region = _routed_only(g_eqns, region, producer)
-    if not region:
-        return Plan(global_jaxpr, local_jaxpr, axes, [], specs, local_of)
-    _refuse_token_coupling(g_eqns, region, specs)
-    for i in sorted(region):
-        for v in g_eqns[i].outvars:
-            if v in doubly_scaled:
+                for v in _vars(e.invars):
+                    p = producer.get(v)
+                    if (p is None or p not in region) and v not in arriving:
+                        continue
+                    carries_tokens = v in self.scaled and p not in exits
+                    if carries_tokens or (v not in self.scaled and i in reaches):
+                        region.add(i)
+                        changed = True
+                        break
+        _pull_in_constants(eqns, region, self.scaled, producer)
+        region = _routed_only(eqns, region, producer)
+        for v in arriving:
+            outside = [c for c in consumers.get(v, ()) if c not in region and sub_of(eqns[c]) is None]
+            if outside:
                 raise RewriteError(
-                    f"{v.aval.str_short()}{_user_line(g_eqns[i])} has a second dimension that grows "
-                    "with the number of tokens (a capacity computed from all tokens?): per shard "
-                    "it would be smaller and drop different tokens, so this region is left "
-                    "alone. Compute capacity per group of tokens, or use a dropless routed MoE")
-    groups = _convex_groups(g_eqns, region, producer)
-    outvars = set(_vars(global_jaxpr.jaxpr.outvars))
-    group_of = {i: gi for gi, grp in enumerate(groups) for i in grp.eqns}
-    for gi, grp in enumerate(groups):
-        mine = set(grp.eqns)
-        produced = {v for i in grp.eqns for v in g_eqns[i].outvars}
-        seen_in: set = set()
-        for i in grp.eqns:
-            for v in _vars(g_eqns[i].invars):
-                if v not in produced and v not in seen_in:
-                    seen_in.add(v)
-                    grp.inputs.append(v)
-        for i in grp.eqns:
-            for v in g_eqns[i].outvars:
-                users = [c for c in consumers.get(v, ()) if c not in mine]
-                if not users and v not in outvars:
+                    f"a per-shard value ({v.aval.str_short()}) that a routed layer saved for later "
+                    f"is read outside a routed region{_refusals.user_line(eqns[outside[0]])}; "
+                    "wrap the layer in jax.checkpoint so its backward recomputes it")
+        return region
+
+    def _enter_bodies(self, level, eqns, region, consumers, builders, scrambled_in, stacked_in):
+        scrambled = set(scrambled_in)   # vars at this level holding tokens in per-shard order
+        stacked = {v: False for v in stacked_in}   # var -> whether it came stacked from scan ys
+        top_outvars = set(_vars(level.jaxpr.outvars))
+        for i, eqn in enumerate(eqns):
+            sub = sub_of(eqn)
+            if sub is None or i in region or eqn.primitive.name == "shard_map":
+                continue
+            lsub = sub_of(level.local.eqns[i])
+            first_carry, end_carry = carries(eqn)
+            sub_scrambled, sub_stacked, sub_built = set(), set(), {}
+            for k, (a, inner) in enumerate(zip(eqn.invars, sub.jaxpr.invars)):
+                if _jax.is_literal(a):
                     continue
-                grp.outputs.append(v)
-                outside = v in outvars or any(c not in group_of for c in users)
-                elsewhere = any(c in group_of for c in users)
-                if v in scaled:
-                    if outside and i not in exits:
-                        raise RewriteError(
-                            f"a token-flattened value ({v.aval.str_short()}) leaves the routed "
-                            "region without being reshaped back to (batch, seq, ...); "
-                            "computing it per shard would change its order")
-                    continue
-                if outside:
-                    _require_linear(v, g_eqns, l_eqns, producer, mine, scaled)
-                    grp.summed.add(v)
-                if elsewhere:
-                    grp.stacked.add(v)
-    return Plan(global_jaxpr, local_jaxpr, axes, groups, specs, local_of)
+                sliced = sub.stacks and k >= sub.sliced_from
+                if first_carry <= k < end_carry and (a in scrambled or a in stacked):
+                    self._refuse_carry(eqn, a)
+                if a in scrambled:
+                    sub_scrambled.add(inner)
+                elif a in stacked:
+                    if stacked[a] != sliced:
+                        raise RewriteError(f"a per-shard value ({a.aval.str_short()}) saved by a "
+                                           f"routed layer is passed on{_refusals.user_line(eqn)} in a "
+                                           "form the rewrite does not follow; wrap the layer in "
+                                           "jax.checkpoint")
+                    sub_stacked.add(inner)
+                elif a in self.scaled and not sliced and builders.can_build(a):
+                    sub_built[inner] = builders.builder(a)
+            # Results that only bodies read may leave per shard (a scan's carries may not).
+            crossable = {k for k, v in enumerate(eqn.outvars)
+                         if k >= end_carry - first_carry and consumers.get(v) and v not in top_outvars
+                         and all(sub_of(eqns[c]) is not None for c in consumers[v])}
+            inner = self.level(sub.jaxpr, sub.consts, lsub.jaxpr, lsub.consts,
+                               scrambled_in=frozenset(sub_scrambled), stacked_in=frozenset(sub_stacked),
+                               built_in=sub_built, crossable=frozenset(crossable))
+            if not inner.changed:
+                if sub_scrambled or sub_stacked:
+                    raise RewriteError(f"a per-shard value saved by a routed layer reaches "
+                                       f"{eqn.primitive.name}{_refusals.user_line(eqn)}, which computes "
+                                       "no routed region with it; wrap the layer in jax.checkpoint")
+                continue
+            level.subs[i] = inner
+            for k in inner.scrambled_out:
+                scrambled.add(eqn.outvars[k])
+            for k in inner.stacked_out:
+                stacked[eqn.outvars[k]] = sub.stacks
+
+    @staticmethod
+    def _refuse_carry(eqn, var):
+        raise RewriteError(f"a per-shard value ({var.aval.str_short()}) is carried from one layer "
+                           f"to the next{_refusals.user_line(eqn)}; the rewrite keeps carries "
+                           "global. Return it per (batch, seq) from the layer")
 
 
-def _pair_vars(global_jaxpr, other_jaxpr) -> dict:
-    pairs = dict(zip(global_jaxpr.constvars, other_jaxpr.constvars))
-    pairs.update(zip(global_jaxpr.invars, other_jaxpr.invars))
-    for g, o in zip(global_jaxpr.eqns, other_jaxpr.eqns):
-        pairs.update(zip(g.outvars, o.outvars))
-    return pairs
+class _Builders:
+    """Token-sized values built from constants alone (iota, zeros, `arange(T) // K`): a
+    shard rebuilds them at its own size by replaying the per-shard trace's equations."""
+
+    def __init__(self, jaxpr, local, local_consts, producer, scaled, built_in):
+        self.eqns, self.l_eqns = jaxpr.eqns, local.eqns
+        self.producer, self.scaled, self.built_in = producer, scaled, built_in
+        self.local_consts = dict(zip(local.constvars, local_consts))
+        self.constvars = set(jaxpr.constvars)
+        self.local_constvar = dict(zip(jaxpr.constvars, local.constvars))
+        self._memo: dict = {}
+
+    def can_build(self, v) -> bool:
+        if v in self._memo:
+            return self._memo[v]
+        self._memo[v] = False
+        p = self.producer.get(v)
+        ok = v in self.built_in or v in self.constvars or (
+            p is not None and all(self.can_build(u) for u in _vars(self.eqns[p].invars)))
+        self._memo[v] = ok
+        return ok
+
+    def builder(self, v):
+        """A function of a per-body memo that returns `v` at one shard's size."""
+        if v in self.built_in:
+            return self.built_in[v]
+        if v in self.constvars:
+            value = self.local_consts[self.local_constvar[v]]
+            return lambda memo: value
+        p = self.producer[v]
+        g_eqn, l_eqn = self.eqns[p], self.l_eqns[p]
+        inputs = [None if _jax.is_literal(a) else self.builder(a) for a in g_eqn.invars]
+        position = g_eqn.outvars.index(v)
+        key = (id(self), p)
+
+        def build(memo):
+            if key not in memo:
+                invals = [read({}, la) if b is None else b(memo) for la, b in zip(l_eqn.invars, inputs)]
+                memo[key] = bind_eqn(l_eqn, invals, manual=True)
+            return memo[key][position]
+
+        return build
 
 
 def _spec(var, lvar, svar, axes: TokenAxes) -> P | None:
     g_shape = getattr(var.aval, "shape", ())
     l_shape = getattr(lvar.aval, "shape", ())
-    if g_shape == l_shape:
+    if g_shape == l_shape or len(g_shape) != len(l_shape):
         return None
     s_shape = getattr(svar.aval, "shape", g_shape) if svar is not None else g_shape
     entries = []
@@ -180,12 +267,6 @@ def _spec(var, lvar, svar, axes: TokenAxes) -> P | None:
         names = (axes.batch if by_batch else ()) + (axes.seq if by_seq else ())
         entries.append(names if len(names) > 1 else names[0] if names else None)
     return P(*entries)
-
-
-def entry_axes(entry) -> tuple[str, ...]:
-    if entry is None:
-        return ()
-    return (entry,) if isinstance(entry, str) else tuple(entry)
 
 
 def _merges_seq(eqn, specs, axes: TokenAxes) -> bool:
@@ -215,7 +296,7 @@ def _splits_tokens(eqn, specs, axes: TokenAxes) -> bool:
 
 
 def _vars(atoms):
-    return [a for a in atoms if not hasattr(a, "val")]  # Literals carry .val
+    return [a for a in atoms if not _jax.is_literal(a)]
 
 
 def _consumers(eqns) -> dict:
@@ -265,104 +346,6 @@ def _pull_in_constants(eqns, region, scaled, producer) -> None:
                 pull(p)
 
 
-_CUMULATIVE = {"cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp"}
-
-
-def _refuse_token_coupling(eqns, region, specs) -> None:
-    """A running total over tokens (capacity positions) differs per shard: refuse."""
-    for i in sorted(region):
-        eqn = eqns[i]
-        name = eqn.primitive.name
-        operands = _vars(eqn.invars[:1])
-        spec = specs.get(operands[0]) if operands else None
-        if spec is None:
-            continue
-        if name in _CUMULATIVE:
-            coupled = [eqn.params.get("axis", 0)]
-        elif name == "reduce_window_sum" or name.startswith("reduce_window"):
-            coupled = [d for d, w in enumerate(eqn.params.get("window_dimensions", ())) if w > 1]
-        else:
-            continue
-        if any(d < len(spec) and spec[d] is not None for d in coupled):
-            frame = _user_line(eqn)
-            raise RewriteError(
-                f"{name} over the token dimension{frame} couples all tokens (a capacity or "
-                "position computed globally): per shard it would give different numbers, so "
-                "this region is left alone. Compute capacity per group of tokens (per shard) "
-                "or use a dropless routed MoE")
-
-
-def _user_line(eqn) -> str:
-    from jax._src import source_info_util
-
-    frame = source_info_util.user_frame(eqn.source_info.traceback) if eqn.source_info.traceback else None
-    return f" at {frame.file_name}:{frame.start_line}" if frame else ""
-
-
-def _convex_groups(eqns, region, producer) -> list[Group]:
-    """Split region equations so no group depends on itself through outside equations."""
-    groups: list[Group] = []
-    taint: dict = {}          # Var -> groups it depends on through an outside equation
-    group_of_var: dict = {}
-    current: Group | None = None
-    for i, e in enumerate(eqns):
-        ins = _vars(e.invars)
-        through = set().union(*(taint.get(v, set()) for v in ins)) if ins else set()
-        if i in region:
-            if current is None or id(current) in through:
-                current = Group([])
-                groups.append(current)
-            current.eqns.append(i)
-            for v in e.outvars:
-                taint[v] = through
-                group_of_var[v] = id(current)
-        else:
-            for v in ins:
-                if v in group_of_var:
-                    through = through | {group_of_var[v]}
-            for v in e.outvars:
-                taint[v] = through
-    return groups
-
-
-def _require_linear(var, eqns, l_eqns, producer, mine, scaled) -> None:
-    if _is_linear(var, eqns, l_eqns, producer, mine, scaled, depth=0):
-        return
-    p = producer.get(var)
-    name = eqns[p].primitive.name if p is not None else "?"
-    raise RewriteError(
-        f"the routed region produces {var.aval.str_short()} (by {name}) that is used outside it "
-        "and is not a plain sum over tokens, so a per-shard result cannot be combined exactly "
-        "(e.g. a global capacity or a statistic that couples all tokens); compute it outside "
-        "the layer or per group, then rewrite")
-
-
-def _is_linear(var, eqns, l_eqns, producer, mine, scaled, depth) -> bool:
-    p = producer.get(var)
-    if p is None or p not in mine or depth > 16:
-        return False
-    eqn = eqns[p]
-    if _literals(eqn) != _literals(l_eqns[p]):
-        return False  # a constant from the token count (a mean's 1/T): per shard it is wrong
-    name = eqn.primitive.name
-    ins = _vars(eqn.invars)
-    region_ins = [v for v in ins if producer.get(v) in mine]
-    if name in _TOKEN_REDUCTIONS and any(v in scaled for v in region_ins):
-        return True
-    if name in _LINEAR_SUMS:
-        return len(region_ins) == len(ins) and all(
-            _is_linear(v, eqns, l_eqns, producer, mine, scaled, depth + 1) for v in region_ins)
-    if name in _LINEAR_UNARY and len(region_ins) == 1:
-        return _is_linear(region_ins[0], eqns, l_eqns, producer, mine, scaled, depth + 1)
-    if name == "div" and region_ins == ins[:1]:
-        return _is_linear(region_ins[0], eqns, l_eqns, producer, mine, scaled, depth + 1)
-    return False
-
-
-def _literals(eqn) -> list:
-    return [repr(getattr(a, "val", None)) for a in eqn.invars if hasattr(a, "val")]
-
-
 def _routed_only(eqns, region: set[int], producer) -> set[int]:
     """The connected parts of the region that hold a grouped matmul (a routed-expert
     region); other token flattens (a cross-entropy over flattened tokens) stay as they are."""
@@ -386,12 +369,12 @@ def _routed_only(eqns, region: set[int], producer) -> set[int]:
 
 def _expert_batched(eqn, producer) -> bool:
     """A dispatch einsum: dot_general batched over the leading (expert) dim of a rank-3
-    weight that is an argument of the step."""
+    weight that is an input of the jaxpr."""
     if eqn.primitive.name != "dot_general":
         return False
     (_, _), (lhs_batch, rhs_batch) = eqn.params["dimension_numbers"]
     for operand, batch in zip(eqn.invars, (lhs_batch, rhs_batch)):
-        if (not hasattr(operand, "val") and producer.get(operand) is None
+        if (not _jax.is_literal(operand) and producer.get(operand) is None
                 and len(getattr(operand.aval, "shape", ())) == 3 and 0 in tuple(batch)):
             return True
     return False

@@ -8,13 +8,12 @@ annotations (`reshard`, `sharding_constraint`, `mesh_cast`) pass their operand t
 and calls to inner jaxprs (`jit`, custom-derivative calls, remat) are inlined, since their
 recorded types name the Auto mesh and would clash with the manual operands.
 
-This is the one place in the rewrite that uses JAX's private `core`/`source_info_util`;
-its calls are the same in JAX 0.10 through 0.12.
+JAX's private `core`/`source_info_util` calls it needs live in `shardlint._jax`.
 """
 
 from __future__ import annotations
 
-from jax._src import core, source_info_util
+from .. import _jax
 
 _SHARDING_PARAMS = ("sharding", "out_sharding")
 _INNER_JAXPR_PARAMS = ("jaxpr", "call_jaxpr", "fun_jaxpr")
@@ -22,8 +21,7 @@ _ANNOTATIONS = ("reshard", "sharding_constraint", "mesh_cast")
 
 
 def bind_eqn(eqn, invals: list, *, manual: bool = False) -> list:
-    name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
-    with source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack), eqn.ctx.manager:
+    with _jax.as_traced(eqn):
         if manual and eqn.primitive.name in _ANNOTATIONS:
             return list(invals)
         inner = _inner_jaxpr(eqn) if manual else None
@@ -57,4 +55,4 @@ def _inner_jaxpr(eqn):
 
 
 def read(env: dict, atom):
-    return atom.val if isinstance(atom, core.Literal) else env[atom]
+    return atom.val if _jax.is_literal(atom) else env[atom]

@@ -13,15 +13,18 @@ from __future__ import annotations
 
 import contextlib
 import math
+import warnings
 from typing import Callable
 
 import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
-from .._errors import RewriteError
+from .._errors import NothingToRewrite, RewriteError
 from ._emit import emit
-from ._regions import TokenAxes, entry_axes, plan_regions
+from ._regions import plan_regions
+from ._subjaxprs import bind_with
+from ._trace import TokenAxes, trace_step
 
 
 class RewrittenStep:
@@ -34,7 +37,13 @@ class RewrittenStep:
         self.axes = axes
         self.progress = progress or (lambda message: None)
         self.notes: list[str] = []
+        self.changed: bool | None = None   # known once built for some arguments
+        self.why_unchanged: str | None = None   # set when the analysis found nothing
         self._cache: dict = {}
+
+    def unchanged_for(self, args, why: str) -> None:
+        self.why_unchanged = why
+        self._prepare(args)
 
     # The step was traced without a mesh in context, and its equations are replayed the
     # same way: an ambient mesh (the analyzer sets one) would type the replayed values
@@ -45,77 +54,92 @@ class RewrittenStep:
 
     def trace(self, *args):
         with _no_ambient_mesh():
-            return jax.jit(self._prepare(args)).trace(*args)
+            return self._prepare(args).trace(*args)
 
     def lower(self, *args):
         with _no_ambient_mesh():
-            return jax.jit(self._prepare(args)).lower(*args)
+            return self._prepare(args).lower(*args)
 
     @property
     def __name__(self):
         return getattr(self.step, "__name__", "step")
 
-    def _prepare(self, args) -> Callable:
+    def _prepare(self, args):
         key = tuple((tuple(getattr(x, "shape", ())), str(getattr(x, "dtype", type(x))))
                     for x in jax.tree_util.tree_leaves(args))
         if key not in self._cache:
             self._cache[key] = self._build(args)
         return self._cache[key]
 
-    def _build(self, args) -> Callable:
-        flat, tree = jax.tree_util.tree_flatten(args)
-        specs = [_spec_of(x) for x in flat]
-        if any(s is None for s in specs) and self.axes is None:
+    def _build(self, args):
+        flat = jax.tree_util.tree_leaves(args)
+        if self.axes is None and not all(isinstance(getattr(x, "sharding", None), NamedSharding) for x in flat):
             raise RewriteError("rewrite needs the arguments' NamedShardings to find the token "
                                "axes: call it on arrays or ShapeDtypeStructs that carry them")
+        if self.why_unchanged is not None:
+            return self._unchanged(self.why_unchanged, args)
         axes = self.axes or _token_axes(self.step, args, self.progress)
         if axes is None:
-            self.notes.append("nothing to rewrite: no flatten loses sharding before a grouped matmul")
-            self.progress(self.notes[-1])
-            return self.step
-        out_tree = []
-
-        def flat_step(*leaves):
-            out = self.step(*jax.tree_util.tree_unflatten(tree, leaves))
-            leaves_out, treedef = jax.tree_util.tree_flatten(out)
-            out_tree[:] = [treedef]
-            return leaves_out
-
-        nb = math.prod(self.mesh.shape[a] for a in axes.batch)
-        ns = math.prod(self.mesh.shape[a] for a in axes.seq)
-        # Traced without the mesh in context: the avals then carry no mesh, so the
-        # per-shard equations can be replayed inside shard_map's manual axes.
-        global_j = jax.make_jaxpr(flat_step)(*[_abstract(x) for x in flat])
-        local_j = jax.make_jaxpr(flat_step)(*[_shrunk(x, s, axes, nb, ns) for x, s in zip(flat, specs)])
-        seq_j = jax.make_jaxpr(flat_step)(*[_shrunk(x, s, axes, 1, ns) for x, s in zip(flat, specs)])
-        plan = plan_regions(global_j, local_j, seq_j, axes)
-        if not plan.groups:
-            self.notes.append("nothing to rewrite: no reshape folds the sharded sequence into tokens")
-            self.progress(self.notes[-1])
-            return self.step
-        self.notes.append(f"rewrote {len(plan.groups)} routed region(s) to run per shard over "
-                          f"{', '.join(axes.batch + axes.seq)}")
+            return self._unchanged("no flatten loses sharding before a grouped matmul", args)
+        traces = trace_step(self.step, args, axes, self.mesh)
+        plan = plan_regions(traces, axes)
+        if not plan.top.changed:
+            return self._unchanged("no reshape folds the sharded sequence into tokens before a "
+                                   "grouped matmul", args)
+        self.changed = True
+        self.notes.append(f"rewrote {plan.top.count()} routed region(s) to run per shard over "
+                          f"{', '.join(axes.all)}")
         self.progress(self.notes[-1])
         run = emit(plan, self.mesh)
-        treedef = out_tree[0]
+        donate: tuple[int, ...] = ()
+        if traces.jit_eqn is not None:
+            run, donate = _as_jitted(run, traces.jit_eqn, args)
+        treedef = traces.out_tree
 
         def rewritten(*call_args):
             return jax.tree_util.tree_unflatten(treedef, run(*jax.tree_util.tree_leaves(call_args)))
 
-        return rewritten
+        rewritten.__name__ = self.__name__
+        return jax.jit(rewritten, donate_argnums=donate)
+
+    def _unchanged(self, why: str, args):
+        self.changed = False
+        self.notes.append(f"nothing to rewrite: {why}")
+        self.progress(self.notes[-1])
+        _warn_unchanged(self.notes[-1], stacklevel=5)
+        step = self.step
+        return step if callable(getattr(step, "trace", None)) else jax.jit(step)
+
+
+def _as_jitted(run, jit_eqn, args):
+    """`run` inside the pre-jitted step's own jit equation (its in/out shardings), and the
+    arguments it donates (those whose every leaf it donates)."""
+    inner = jit_eqn.params["jaxpr"].jaxpr
+    avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, weak_type=getattr(v.aval, "weak_type", False))
+             for v in inner.invars]
+
+    def in_own_jit(*flat):
+        return bind_with(jit_eqn, jax.make_jaxpr(run)(*avals), list(flat))
+
+    donated = iter(jit_eqn.params["donated_invars"])
+    donate = tuple(i for i, leaves in enumerate(jax.tree_util.tree_leaves(a) for a in args)
+                   if all([next(donated) for _ in leaves]) and leaves)
+    return in_own_jit, donate
 
 
 def rewrite(step: Callable, mesh, *, verify: bool = False, args: tuple | None = None,
             batch_axes: tuple[str, ...] | None = None, seq_axes: tuple[str, ...] | None = None,
-            analysis=None, progress: Callable[[str], None] | None = None) -> Callable:
+            analysis=None, progress: Callable[[str], None] | None = None):
     """Returns `step` with each routed-expert region computed per shard.
 
     The token axes (those sharding batch and sequence at the lossy flatten) come from the
     analysis of `step` on the arguments' shardings (pass `analysis=` to reuse one you
-    have), or from `batch_axes`/`seq_axes`. With
-    `verify=True` (needs `args`) both versions run once on random inputs of the real shapes
-    and a `RewriteError` is raised if any output differs beyond float32 tolerance. A step
-    with nothing to rewrite is returned unchanged.
+    have), or from `batch_axes`/`seq_axes`. With `verify=True` (needs `args`) both
+    versions run once on random inputs of the real shapes and a `RewriteError` is raised
+    if any output differs beyond float32 tolerance. The result behaves like a jitted
+    function (`__call__`, `trace`, `lower`); `result.changed` says whether anything was
+    rewritten (known once built for some arguments: at once when `args` is given), and a
+    `NothingToRewrite` warning says so when nothing was.
     """
     from ._swap import swap_moe_layers
 
@@ -123,21 +147,96 @@ def rewrite(step: Callable, mesh, *, verify: bool = False, args: tuple | None = 
     if args is not None and axes is None:
         axes = _token_axes(step, args, progress, analysis)
         if axes is None:
-            if progress:
-                progress("nothing to rewrite: no flatten loses sharding before a grouped matmul")
-            return step
+            result = _rewritten(step, mesh, None, progress)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", NothingToRewrite)
+                result.unchanged_for(args, "no flatten loses sharding before a grouped matmul")
+            _warn_unchanged(result.notes[-1], stacklevel=3)
+            return result
     swapped = swap_moe_layers(step, mesh, args=args, axes=axes, progress=progress)
-    if swapped is not None:
-        result = swapped
-    else:
-        result = RewrittenStep(step, mesh, axes=axes, progress=progress)
-        if args is not None and result._prepare(args) is step:
-            return step
-    if verify:
+    result = swapped if swapped is not None else _rewritten(step, mesh, axes, progress)
+    if args is not None:
+        with warnings.catch_warnings():   # said once, below, at the caller's line
+            warnings.simplefilter("ignore", NothingToRewrite)
+            result.trace(*args)   # builds it: says what it rewrote, or that nothing was
+        if result.changed is False:
+            _warn_unchanged(result.notes[-1], stacklevel=3)
+    if verify and result.changed:
         if args is None:
             raise RewriteError("verify=True needs args= to build inputs of the real shapes")
         verify_same(step, result, args, progress=progress)
     return result
+
+
+def _warn_unchanged(note: str, stacklevel: int) -> None:
+    warnings.warn(f"shardlint.rewrite: {note}; the result runs the step as it is",
+                  NothingToRewrite, stacklevel=stacklevel)
+
+
+def _rewritten(step, mesh, axes, progress):
+    if _is_nnx_jit(step):
+        inner = RewrittenStep(step.jitted_fn, mesh, axes=axes, progress=progress)
+        return NnxRewrittenStep(step, inner)
+    return RewrittenStep(step, mesh, axes=axes, progress=progress)
+
+
+def _is_nnx_jit(step) -> bool:
+    """Flax's `nnx.jit` object: its `jitted_fn` is the `jax.jit` of a pure function of
+    the graph nodes' states, which is what gets rewritten (flax 0.12)."""
+    return callable(getattr(step, "jitted_fn", None)) and type(step).__module__.startswith("flax.")
+
+
+class NnxRewrittenStep:
+    """An `nnx.jit` step whose inner jitted function is a RewrittenStep: called with the
+    same modules and optimizer, it updates them in place as the original does.
+
+    Flax's wrapper splits the modules into pure states under an update context tagged by
+    the wrapper object itself, and its inner function merges them under the same tag, so
+    the rewritten inner function must run under the original wrapper: for the duration
+    of each call (and only then) the wrapper's `jitted_fn` instance attribute is the
+    rewritten one. Not thread-safe across concurrent calls of the same wrapper.
+    """
+
+    def __init__(self, step, inner: RewrittenStep):
+        self.step = step
+        self.inner = inner
+
+    @property
+    def changed(self):
+        return self.inner.changed
+
+    @property
+    def notes(self):
+        return self.inner.notes
+
+    @property
+    def __name__(self):
+        return getattr(self.step, "__name__", "step")
+
+    def unchanged_for(self, args, why: str) -> None:
+        self.inner.why_unchanged = why
+        self.trace(*args)
+
+    def __call__(self, *args):
+        with self._serving():
+            return self.step(*args)
+
+    def trace(self, *args):
+        with self._serving():
+            return self.step.trace(*args)
+
+    def lower(self, *args):
+        with self._serving():
+            return self.step.lower(*args)
+
+    @contextlib.contextmanager
+    def _serving(self):
+        original = self.step.jitted_fn
+        self.step.jitted_fn = self.inner
+        try:
+            yield
+        finally:
+            self.step.jitted_fn = original
 
 
 def verify_same(original: Callable, rewritten: Callable, args, *, rtol: float = 1e-5,
@@ -154,9 +253,9 @@ def verify_same(original: Callable, rewritten: Callable, args, *, rtol: float = 
         return False
     if progress:
         progress("verifying the rewrite on random inputs")
-    values = _random_like(args)
-    want = jax.jit(original)(*values)
-    got = jax.jit(rewritten)(*values) if not hasattr(rewritten, "lower") else rewritten(*values)
+    # Fresh inputs for each run (the same values): a step may donate its arguments.
+    want = _as_jitted_fn(original)(*random_like(args))
+    got = _as_jitted_fn(rewritten)(*random_like(args))
     bad = []
     for (path, w), g in zip(jax.tree_util.tree_leaves_with_path(want), jax.tree_util.tree_leaves(got)):
         w, g = np.asarray(w), np.asarray(g)
@@ -189,43 +288,23 @@ def _token_axes(step, args, progress, analysis=None) -> TokenAxes | None:
     return TokenAxes(batch, seq)
 
 
-def _spec_of(x):
-    sharding = getattr(x, "sharding", None)
-    return sharding.spec if isinstance(sharding, NamedSharding) else None
+def _as_jitted_fn(step):
+    return step if callable(getattr(step, "lower", None)) else jax.jit(step)
 
 
-def _abstract(x):
-    return jax.ShapeDtypeStruct(x.shape, x.dtype)
-
-
-def _shrunk(x, spec, axes: TokenAxes, nb: int, ns: int):
-    """`x` at one shard's size along the dims sharded over batch or sequence axes."""
-    shape = list(x.shape)
-    for d, entry in enumerate(spec or ()):
-        names = entry_axes(entry)
-        if not names:
-            continue
-        factor = 1
-        if names == axes.batch:
-            factor = nb
-        elif names == axes.seq:
-            factor = ns
-        elif names == axes.batch + axes.seq:
-            factor = nb * ns
-        if shape[d] % factor:
-            raise RewriteError(f"argument dim {d} of size {shape[d]} does not divide over "
-                               f"{names} ({factor} shards)")
-        shape[d] //= factor
-    return jax.ShapeDtypeStruct(tuple(shape), x.dtype)
-
-
-def _random_like(args):
+def random_like(args):
+    """Random values of `args`' shapes, dtypes and shardings, drawn as an initializer
+    draws weights: N(0, 1/fan_in) with fan_in the second-to-last dimension (N(0, 1/4) for
+    vectors and scalars), so a deep step's activations and gradients stay of order one and
+    a comparison measures the rewrite, not float32 cancellation in exploding sums;
+    integers in {0, 1}."""
     leaves, tree = jax.tree_util.tree_flatten(args)
     keys = jax.random.split(jax.random.key(0), max(len(leaves), 1))
     values = []
     for key, x in zip(keys, leaves):
         if jax.numpy.issubdtype(x.dtype, jax.numpy.floating):
-            v = jax.random.normal(key, x.shape, jax.numpy.float32).astype(x.dtype) * 0.5
+            scale = 1 / math.sqrt(x.shape[-2]) if len(x.shape) >= 2 else 0.5
+            v = (jax.random.normal(key, x.shape, jax.numpy.float32) * scale).astype(x.dtype)
         elif jax.numpy.issubdtype(x.dtype, jax.numpy.integer):
             v = jax.random.randint(key, x.shape, 0, 2).astype(x.dtype)
         else:

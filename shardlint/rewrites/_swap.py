@@ -63,6 +63,7 @@ class SwappedStep:
         self.mesh = mesh
         self.layer_kwargs = {"batch_axes": batch_axes, "seq_axes": seq_axes}
         self.notes = ["swapped RoutedMoE for ShardedRoutedMoE"]
+        self.changed = True
 
     @property
     def __name__(self):

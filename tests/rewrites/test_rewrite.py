@@ -14,7 +14,7 @@ from jax.sharding import AxisType
 import shardlint
 from shardlint.examples import steps
 from shardlint.rewrites import RewrittenStep, verify_same
-from shardlint.rewrites._rewrite import _random_like
+from shardlint.rewrites._rewrite import random_like
 
 SIZES = steps.Sizes(batch=8)  # two batch rows per device at every mesh below
 CONTEXTS = [2, 4, 8]
@@ -44,7 +44,7 @@ def test_rewritten_step_keeps_tokens_sharded_and_equal(make_name, context):
     assert after.findings == ()
     assert after.all_gathers() == ()
     # Loss and every gradient, on random inputs of the real shapes and shardings.
-    values = _random_like(args)
+    values = random_like(args)
     want = jax.jit(fn)(*values)
     got = fixed(*values)
     for (path, w), g in zip(jax.tree_util.tree_leaves_with_path(want), jax.tree_util.tree_leaves(got)):
@@ -83,13 +83,15 @@ def test_global_capacity_is_refused_with_the_reason():
     assert "steps.py" in str(info.value) and "dropless" in str(info.value)
 
 
-def test_nothing_to_rewrite_comes_back_unchanged():
+def test_nothing_to_rewrite_is_said_and_runs_the_step_as_it_is():
     mesh = _mesh(4)
     fn, args = steps.make_per_shard_step(mesh, SIZES)
     messages = []
-    fixed = shardlint.rewrite(fn, mesh, args=args, progress=messages.append)
-    assert fixed is fn
-    assert str(jax.make_jaxpr(fixed)(*args)) == str(jax.make_jaxpr(fn)(*args))
+    with pytest.warns(shardlint.NothingToRewrite, match="nothing to rewrite") as caught:
+        fixed = shardlint.rewrite(fn, mesh, args=args, progress=messages.append)
+    assert caught[0].filename == __file__  # the warning points at the caller's line
+    assert fixed.changed is False
+    assert str(jax.make_jaxpr(fixed)(*args)) == str(jax.make_jaxpr(jax.jit(fn))(*args))
     assert any("nothing to rewrite" in m for m in messages)
 
 
@@ -101,7 +103,7 @@ def test_forward_function_differentiated_later_by_the_user():
         return steps.routed_moe(params, x, SIZES.top_k)
 
     fixed = shardlint.rewrite(forward, mesh, args=(params, x), batch_axes=("data",), seq_axes=("context",))
-    values = _random_like((params, x))
+    values = random_like((params, x))
 
     def loss(f, p, x):
         return jnp.mean(f(p, x) ** 2)

@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec as P
 import shardlint
 from shardlint import moe
 from shardlint.rewrites import SwappedStep
-from shardlint.rewrites._rewrite import _random_like
+from shardlint.rewrites._rewrite import random_like
 
 B, S = 8, 32
 
@@ -59,7 +59,7 @@ def test_qwen3_next_block_is_swapped_and_keeps_tokens_sharded(cfg, context):
     assert any("context" in f.axes for f in before.findings)
     assert after.findings == ()
     assert not [c for c in after.all_gathers() if "context" in c.axes]
-    values = _random_like(args)
+    values = random_like(args)
     want, got = jax.jit(step)(*values), fixed(*values)
     for w, g in zip(jax.tree_util.tree_leaves(want), jax.tree_util.tree_leaves(got)):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-6)

@@ -1,0 +1,109 @@
+"""What the rewrite refuses, and why: computations that per shard would give other numbers.
+
+Each refusal names the op, the user's line and the way out. A running total over tokens
+(a capacity position) or a second dimension that grows with the token count (a capacity)
+couples all tokens; a value leaving a routed region is combined across shards only when
+it is a plain sum over tokens.
+"""
+
+from __future__ import annotations
+
+from .. import _jax
+from .._errors import RewriteError
+from ..analyzer._stack import display_path
+
+_CUMULATIVE = {"cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp"}
+# Producers whose non-token result is a sum over tokens: psum across shards restores it.
+_TOKEN_REDUCTIONS = {"reduce_sum", "dot_general", "ragged_dot_general", "scatter-add", "scatter_add"}
+# Linear in a single region operand (the other operands are the same on every shard).
+_LINEAR_UNARY = {"neg", "convert_element_type", "reshape", "transpose", "broadcast_in_dim",
+                 "squeeze", "expand_dims", "copy", "copy_p", "reduce_sum", "mul", "dot_general"}
+_LINEAR_SUMS = {"add", "add_any", "sub"}
+
+CAPACITY_WAY_OUT = ("Compute capacity per group of tokens (per shard), use a dropless routed MoE, "
+                    "or opt in with capacity='per-shard' (CLI --per-shard-capacity) to let each "
+                    "shard drop by its own capacity")
+
+
+def user_line(eqn) -> str:
+    frame = _jax.user_frame(eqn)
+    return f" at {display_path(frame[0])}:{frame[1]}" if frame else ""
+
+
+def refuse_token_coupling(eqns, region, specs) -> None:
+    """A running total over tokens (capacity positions) differs per shard: refuse."""
+    for i in sorted(region):
+        eqn = eqns[i]
+        name = eqn.primitive.name
+        operands = [a for a in eqn.invars[:1] if not _jax.is_literal(a)]
+        spec = specs.get(operands[0]) if operands else None
+        if spec is None:
+            continue
+        if name in _CUMULATIVE:
+            coupled = [eqn.params.get("axis", 0)]
+        elif name.startswith("reduce_window"):
+            coupled = [d for d, w in enumerate(eqn.params.get("window_dimensions", ())) if w > 1]
+        else:
+            continue
+        if any(d < len(spec) and spec[d] is not None for d in coupled):
+            raise RewriteError(
+                f"{name} over the token dimension{user_line(eqn)} couples all tokens (a capacity "
+                "or position computed globally): per shard it would give different numbers, so "
+                f"this region is left alone. {CAPACITY_WAY_OUT}")
+
+
+def refuse_global_capacity(eqn, var) -> None:
+    raise RewriteError(
+        f"{var.aval.str_short()}{user_line(eqn)} has a second dimension that grows with the "
+        "number of tokens (a capacity computed from all tokens?): per shard it would be smaller "
+        f"and drop different tokens, so this region is left alone. {CAPACITY_WAY_OUT}")
+
+
+def refuse_scrambled_exit(eqn, var) -> None:
+    raise RewriteError(
+        f"a token-flattened value ({var.aval.str_short()}{user_line(eqn)}) leaves the routed "
+        "region without being reshaped back to (batch, seq, ...); computing it per shard would "
+        "change its order. Reshape it back inside the layer, or return it per (batch, seq)")
+
+
+def require_linear(var, eqns, l_eqns, producer, mine, scaled) -> None:
+    if _is_linear(var, eqns, l_eqns, producer, mine, scaled, depth=0):
+        return
+    p = producer.get(var)
+    name = eqns[p].primitive.name if p is not None else "?"
+    where = user_line(eqns[p]) if p is not None else ""
+    raise RewriteError(
+        f"the routed region produces {var.aval.str_short()} (by {name}{where}) that is used "
+        "outside it and is not a plain sum over tokens, so a per-shard result cannot be "
+        "combined exactly (e.g. a global capacity or a statistic that couples all tokens); "
+        "compute it outside the layer or per group, then rewrite")
+
+
+def is_linear_sum(var, eqns, l_eqns, producer, mine, scaled) -> bool:
+    return _is_linear(var, eqns, l_eqns, producer, mine, scaled, depth=0)
+
+
+def _is_linear(var, eqns, l_eqns, producer, mine, scaled, depth) -> bool:
+    p = producer.get(var)
+    if p is None or p not in mine or depth > 16:
+        return False
+    eqn = eqns[p]
+    if _literals(eqn) != _literals(l_eqns[p]):
+        return False  # a constant from the token count (a mean's 1/T): per shard it is wrong
+    name = eqn.primitive.name
+    ins = [a for a in eqn.invars if not _jax.is_literal(a)]
+    region_ins = [v for v in ins if producer.get(v) in mine]
+    if name in _TOKEN_REDUCTIONS and any(v in scaled for v in region_ins):
+        return True
+    if name in _LINEAR_SUMS:
+        return len(region_ins) == len(ins) and all(
+            _is_linear(v, eqns, l_eqns, producer, mine, scaled, depth + 1) for v in region_ins)
+    if name in _LINEAR_UNARY and len(region_ins) == 1:
+        return _is_linear(region_ins[0], eqns, l_eqns, producer, mine, scaled, depth + 1)
+    if name == "div" and region_ins == ins[:1]:
+        return _is_linear(region_ins[0], eqns, l_eqns, producer, mine, scaled, depth + 1)
+    return False
+
+
+def _literals(eqn) -> list:
+    return [repr(a.val) for a in eqn.invars if _jax.is_literal(a)]

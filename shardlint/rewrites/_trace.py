@@ -1,0 +1,192 @@
+"""Trace the step three times and pair the traces: what shrinks per shard is a token.
+
+The step is traced at its global shapes, at one shard's shapes (the data arguments'
+batch and sequence dimensions divided by their mesh degrees), and with only the sequence
+divided. The traces have the same equations (the user's code runs the same way at any
+size), inside jit, scan and checkpoint bodies too; a value whose dimension shrinks
+carries tokens along it, and by how much says which mesh axes shard it. Only data
+arguments shrink: parameters and optimizer state (the positional arguments a training
+step returns, as the analyzer reads them) keep their global shapes however they are
+sharded, so FSDP weights stay what they are.
+
+A pre-jitted step (`jax.jit` with shardings and donation, or the jit inside `nnx.jit`) is
+traced through the function it wraps, so that its in-shardings are not checked against
+one shard's shapes; its own `jit` equation is kept to bind the rewritten body with the
+same shardings and donation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import traceback as tb
+from typing import Callable
+
+import jax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from .._errors import RewriteError
+from ..analyzer._compile import parameter_argnums
+from ..analyzer._stack import display_path, is_library_file
+from ._subjaxprs import sub_of
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenAxes:
+    """The mesh axes that shard the batch and the sequence of the tokens."""
+
+    batch: tuple[str, ...]
+    seq: tuple[str, ...]
+
+    @property
+    def all(self) -> tuple[str, ...]:
+        return self.batch + self.seq
+
+
+@dataclasses.dataclass
+class Traces:
+    global_jaxpr: object          # ClosedJaxpr of the flattened step at global shapes
+    local_jaxpr: object           # ... at one shard's shapes
+    seq_jaxpr: object             # ... with only the sequence divided
+    out_tree: object              # the step's output pytree
+    jit_eqn: object | None        # a pre-jitted step's own jit equation
+
+
+def entry_axes(entry) -> tuple[str, ...]:
+    if entry is None:
+        return ()
+    return (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def trace_step(step: Callable, args: tuple, axes: TokenAxes, mesh) -> Traces:
+    flat, tree = jax.tree_util.tree_flatten(args)
+    body = _wrapped(step)
+    out_tree: list = []
+
+    def flat_fn(fn):
+        def run(*leaves):
+            out = fn(*jax.tree_util.tree_unflatten(tree, leaves))
+            leaves_out, treedef = jax.tree_util.tree_flatten(out)
+            out_tree[:] = [treedef]
+            return leaves_out
+        return run
+
+    abstract = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in flat]
+    global_jaxpr = _traced(flat_fn(body), abstract, "global")
+    jit_eqn = None
+    if body is not step:
+        as_jitted = _traced(flat_fn(step), abstract, "global")
+        eqns = as_jitted.jaxpr.eqns
+        if len(eqns) == 1 and eqns[0].primitive.name in ("jit", "pjit"):
+            jit_eqn = eqns[0]
+    data = _data_leaves(args, global_jaxpr.out_avals)
+    nb = _degree(mesh, axes.batch)
+    ns = _degree(mesh, axes.seq)
+    specs = [_spec_of(x) for x in flat]
+    local = [_shrunk(x, s, axes, nb, ns) if d else a for x, s, d, a in zip(flat, specs, data, abstract)]
+    by_seq = [_shrunk(x, s, axes, 1, ns) if d else a for x, s, d, a in zip(flat, specs, data, abstract)]
+    local_jaxpr = _traced(flat_fn(body), local, "per-shard")
+    seq_jaxpr = _traced(flat_fn(body), by_seq, "per-shard")
+    _same_equations(global_jaxpr.jaxpr, local_jaxpr.jaxpr)
+    _same_equations(global_jaxpr.jaxpr, seq_jaxpr.jaxpr)
+    return Traces(global_jaxpr, local_jaxpr, seq_jaxpr, out_tree[0], jit_eqn)
+
+
+def pair_vars(global_jaxpr, other_jaxpr, pairs: dict | None = None) -> dict:
+    """Global Var -> the Var at the same place in the other trace, inner jaxprs included."""
+    pairs = {} if pairs is None else pairs
+    pairs.update(zip(global_jaxpr.constvars, other_jaxpr.constvars))
+    pairs.update(zip(global_jaxpr.invars, other_jaxpr.invars))
+    for g, o in zip(global_jaxpr.eqns, other_jaxpr.eqns):
+        pairs.update(zip(g.outvars, o.outvars))
+        g_sub, o_sub = sub_of(g), sub_of(o)
+        if g_sub is not None and o_sub is not None:
+            pair_vars(g_sub.jaxpr, o_sub.jaxpr, pairs)
+    return pairs
+
+
+def _same_equations(g, o) -> None:
+    if [e.primitive.name for e in g.eqns] != [e.primitive.name for e in o.eqns]:
+        where = next((e for e, f in zip(g.eqns, o.eqns) if e.primitive.name != f.primitive.name), None)
+        raise RewriteError(
+            "the step traces differently at per-shard shapes (shape-dependent Python control "
+            f"flow{_at(where)}?): it cannot be rewritten per shard. Make the branch depend on "
+            "the configuration, not on the array sizes")
+    for e, f in zip(g.eqns, o.eqns):
+        g_sub, o_sub = sub_of(e), sub_of(f)
+        if g_sub is not None and o_sub is not None:
+            _same_equations(g_sub.jaxpr, o_sub.jaxpr)
+
+
+def _at(eqn) -> str:
+    from .. import _jax
+
+    frame = _jax.user_frame(eqn) if eqn is not None else None
+    return f" at {display_path(frame[0])}:{frame[1]}" if frame else ""
+
+
+def _traced(fn, avals, which: str):
+    try:
+        return jax.make_jaxpr(fn)(*avals)
+    except RewriteError:
+        raise
+    except Exception as e:  # the user's code, traced at shapes it was not written for
+        if which == "global":
+            raise
+        frame = _user_frame(e.__traceback__)
+        message = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise RewriteError(
+            f"the step does not trace at one shard's shapes{frame}: {type(e).__name__}: {message}. "
+            "The routed layer runs per shard, so the step is traced with the batch and "
+            "sequence divided by their mesh degrees; build masks and positions from the "
+            "input's shape (x.shape[1]) rather than a configured length, or pass "
+            "batch_axes=/seq_axes= naming fewer axes") from None
+
+
+def _user_frame(traceback) -> str:
+    frames = [f for f in tb.extract_tb(traceback) if not is_library_file(f.filename)
+              and "/shardlint/rewrites/" not in f.filename]
+    if not frames:
+        return ""
+    f = frames[-1]
+    return f" at {display_path(f.filename)}:{f.lineno} ({f.name})"
+
+
+def _wrapped(step):
+    """The Python function a `jax.jit` object wraps (it keeps a trace cache and checks
+    its in-shardings), else the step itself."""
+    inner = getattr(step, "__wrapped__", None)
+    if inner is not None and callable(getattr(step, "lower", None)) and callable(getattr(step, "trace", None)):
+        return inner
+    return step
+
+
+def _data_leaves(args: tuple, out_avals) -> list[bool]:
+    leaves_per_arg = [jax.tree_util.tree_leaves(a) for a in args]
+    params = parameter_argnums(leaves_per_arg, out_avals)
+    return [i not in params for i, leaves in enumerate(leaves_per_arg) for _ in leaves]
+
+
+def _degree(mesh, names: tuple[str, ...]) -> int:
+    degree = 1
+    for a in names:
+        degree *= mesh.shape[a]
+    return degree
+
+
+def _spec_of(x):
+    sharding = getattr(x, "sharding", None)
+    return sharding.spec if isinstance(sharding, NamedSharding) else P()
+
+
+def _shrunk(x, spec, axes: TokenAxes, nb: int, ns: int):
+    """`x` at one shard's size along the dims sharded over batch or sequence axes."""
+    shape = list(x.shape)
+    for d, entry in enumerate(spec or ()):
+        names = entry_axes(entry)
+        factor = {axes.batch: nb, axes.seq: ns, axes.all: nb * ns}.get(names, 1) if names else 1
+        if shape[d] % factor:
+            raise RewriteError(f"argument dim {d} of size {shape[d]} does not divide over "
+                               f"{names} ({factor} shards)")
+        shape[d] //= factor
+    return jax.ShapeDtypeStruct(tuple(shape), x.dtype)

@@ -1,0 +1,62 @@
+"""Training steps the rewrite must reach, written as users write them (plain JAX).
+
+Each `make_<name>(mesh)` returns `(step_fn, args)` with `jax.ShapeDtypeStruct` arguments
+carrying NamedShardings on `mesh` (Auto axes `data` and `context`); every step's MoE
+flattens `(batch, seq)` before its grouped matmul, so XLA gathers the sequence. The
+scanned, pre-jitted, nnx and scatter-dispatch steps are the analyzer's
+(`tests/analyzer/cause_steps.py`); these are the ones only the rewrite needs.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from shardlint.examples.steps import _loss_step, routed_moe
+
+from analyzer.cause_steps import BATCH, EMB, EXPERTS, HEADS, LAYERS, MLP, SEQ, TOP_K, _batch, _moe_params, _sds
+
+
+def make_remat_loop_step(mesh):
+    """A Python loop over LAYERS routed-MoE layers, each under `jax.checkpoint`."""
+    layer = jax.checkpoint(lambda params, x_BSD: x_BSD + routed_moe(params, x_BSD, TOP_K))
+
+    def model(params, x_BSD):
+        for p in params:
+            x_BSD = layer(p, x_BSD)
+        return x_BSD
+
+    return _loss_step(model), ([_moe_params(mesh) for _ in range(LAYERS)], _batch(mesh))
+
+
+def make_fsdp_moe_step(mesh):
+    """The routed MoE with its weights sharded over `data` on the embed dimension (FSDP),
+    SGD update inside: returns (loss, new params)."""
+
+    def train_step(params, x_BSD):
+        loss, grads = jax.value_and_grad(lambda p: jnp.mean(routed_moe(p, x_BSD, TOP_K) ** 2))(params)
+        return loss, jax.tree.map(lambda p, g: p - 0.1 * g, params, grads)
+
+    params = {"w_gate": _sds(mesh, (EMB, EXPERTS), P("data", None)),
+              "w_in": _sds(mesh, (EXPERTS, EMB, MLP), P(None, "data", None)),
+              "w_out": _sds(mesh, (EXPERTS, MLP, EMB), P(None, None, "data"))}
+    return train_step, (params, _batch(mesh))
+
+
+def make_config_mask_step(mesh, seq_len: int = SEQ):
+    """Causal self-attention with its mask built from the configured sequence length (not
+    from the input's shape), then the routed MoE."""
+    mask_SS = jnp.tril(jnp.ones((seq_len, seq_len), bool))
+
+    def block(params, x_BSD):
+        b, s, d = x_BSD.shape
+        q, k, v = ((x_BSD @ params[w]).reshape(b, s, HEADS, d // HEADS) for w in ("wq", "wk", "wv"))
+        logits_BHSS = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(d // HEADS)
+        probs_BHSS = jax.nn.softmax(jnp.where(mask_SS, logits_BHSS, -1e9), axis=-1)  # <- config mask
+        x_BSD = x_BSD + jnp.einsum("bhqk,bkhd->bqhd", probs_BHSS, v).reshape(b, s, d)
+        return x_BSD + routed_moe(params, x_BSD, TOP_K)
+
+    params = {**_moe_params(mesh), **{w: _sds(mesh, (EMB, EMB)) for w in ("wq", "wk", "wv")}}
+    return _loss_step(block), (params, _batch(mesh))
