@@ -107,3 +107,19 @@ def open_jaxpr(closed) -> tuple[object, list]:
     if not closed.consts:
         return closed.jaxpr, []
     return pe.convert_constvars_jaxpr(closed.jaxpr), list(closed.consts)
+
+
+def scan_counts(params) -> tuple[int, int]:
+    """(constants, carries) among a `scan` equation's operands. JAX 0.10 and 0.11 name
+    them `num_consts`/`num_carry`; JAX 0.12 groups the operands as `ft_in` = (consts,
+    carries, stacked), a flat tree (`jax._src.flattree`) that unpacks into the three,
+    one leaf per operand."""
+    if "num_consts" in params:
+        return params["num_consts"], params["num_carry"]
+    consts, carry, _ = (_num_leaves(part) for part in params["ft_in"].unpack())
+    return consts, carry
+
+
+def _num_leaves(flat_tree) -> int:
+    vals = flat_tree.vals
+    return len(list(vals() if callable(vals) else vals))

@@ -47,6 +47,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--json", metavar="FILE", help="write the analysis (shardlint.analysis/2)")
     p.add_argument("--rewrite", action="store_true",
                    help="analyze the step after putting the sharding-preserving MoE in place")
+    _add_token_axes(p)
     _add_topology(p)
     p = sub.add_parser("report", help="write one self-contained HTML report: findings, "
                                       "collectives and memory, before and after the rewrite")
@@ -55,6 +56,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="the HTML file to write (default: shardlint-report.html)")
     p.add_argument("--no-rewrite", action="store_true",
                    help="report the step as it is, without the rewritten step beside it")
+    _add_token_axes(p)
     p.add_argument("--sweep", metavar="AXIS=v1,v2,...",
                    help="also re-run the step with the mesh's AXIS at each size and chart "
                         "per-device memory against it, e.g. --sweep context=1,2,4,8")
@@ -119,7 +121,8 @@ def _analyze(args) -> int:
     if args.rewrite:
         from .rewrites import rewrite
 
-        fn = rewrite(fn, mesh, verify=_can_run(args, True), args=step_args, progress=_progress)
+        fn = rewrite(fn, mesh, verify=_can_run(args, True), args=step_args, progress=_progress,
+                     **_token_axes(args, mesh))
     analysis = analyze(fn, *step_args, progress=_progress)
     fit = fit_of(analysis, args.hbm_gib)
     print(format_text(analysis, title=args.target + (" (rewritten)" if args.rewrite else ""),
@@ -128,6 +131,36 @@ def _analyze(args) -> int:
         write_json(analysis, args.json)
         _progress(f"wrote {args.json}")
     return 1 if analysis.findings or (fit and not fit.fits) else 0
+
+
+def _add_token_axes(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--batch-axes", metavar="A,B", type=_axis_list,
+                   help="mesh axes that shard the tokens' batch dimension, for the rewrite "
+                        "(default: read from the analysis)")
+    p.add_argument("--seq-axes", metavar="A,B", type=_axis_list,
+                   help="mesh axes that shard the tokens' sequence dimension, for the rewrite "
+                        "(default: read from the analysis)")
+
+
+def _axis_list(text: str) -> tuple[str, ...]:
+    names = tuple(a.strip() for a in text.split(",") if a.strip())
+    if not names:
+        raise argparse.ArgumentTypeError(f"expected mesh axis names like data,fsdp, got {text!r}")
+    return names
+
+
+def _token_axes(args, mesh) -> dict:
+    """`batch_axes=`/`seq_axes=` for the rewrite from --batch-axes/--seq-axes."""
+    if args.batch_axes and not args.seq_axes:
+        raise UsageError("--batch-axes needs --seq-axes too: the rewrite runs per shard over both")
+    if not args.seq_axes:
+        return {}
+    mesh_axes = set(mesh.axis_names)
+    names = (args.batch_axes or ()) + args.seq_axes
+    if not set(names) <= mesh_axes:
+        raise UsageError(f"--batch-axes/--seq-axes name {sorted(set(names) - mesh_axes)}, not "
+                         f"axes of the mesh ({', '.join(sorted(mesh_axes))})")
+    return {"batch_axes": args.batch_axes or (), "seq_axes": args.seq_axes}
 
 
 def _can_run(args, rewriting: bool) -> bool:
@@ -145,15 +178,19 @@ def _report(args) -> int:
     sweep = prepare_devices(args.mesh, args.sweep)  # before _load: the sweep may need more devices
     mesh, fn, step_args = _load(args)
     rewrite = not args.no_rewrite
-    before, after = analyze_pair(fn, step_args, mesh, rewrite=rewrite,
-                                 verify=_can_run(args, rewrite), progress=_progress)
+    refusals: list[str] = []
+    before, after = analyze_pair(fn, step_args, mesh, rewrite=rewrite, verify=_can_run(args, rewrite),
+                                 progress=_progress, on_refusal=refusals.append, **_token_axes(args, mesh))
+    for reason in refusals:
+        _progress(f"rewrite refused: {reason}")
     points = None
     if sweep:
         axes = dict(zip(mesh.axis_names, mesh.devices.shape))
         points = run_sweep(args.target, axes, sweep, rewrite=rewrite, progress=_progress,
                            known={axes[sweep[0]]: (before, after)},
                            build_mesh=_topology_meshes(args))
-    write_html(before, after, path=args.out, sweep=points, title=args.target)
+    write_html(before, after, path=args.out, sweep=points, title=args.target,
+               refused=refusals[0] if refusals else "")
     _progress(f"wrote {args.out}")
     fits = _report_fit(args, before, after)
     return 1 if (after or before).findings or not fits else 0

@@ -74,15 +74,29 @@ def prepare_devices(mesh_spec: str, sweep_spec: str | None) -> tuple[str, tuple[
 
 
 def analyze_pair(fn: Callable, args: tuple, mesh, *, rewrite: bool = True, verify: bool = True,
-                 progress: Progress | None = None) -> tuple[Analysis, Analysis | None]:
-    """Analyzes the step, then (with `rewrite`) the rewritten step on the same arguments."""
+                 progress: Progress | None = None, on_refusal: Callable[[str], None] | None = None,
+                 **token_axes) -> tuple[Analysis, Analysis | None]:
+    """Analyzes the step, then (with `rewrite`) the rewritten step on the same arguments.
+
+    With `on_refusal`, a rewrite that is refused (`RewriteError`) is reported to it and
+    the pair comes back without an after side, instead of raising. `token_axes` are the
+    rewrite's `batch_axes=`/`seq_axes=`.
+    """
+    from .._errors import RewriteError
     from ..analyzer import analyze
     from ..rewrites import rewrite as rewrite_step
 
     before = analyze(fn, *args, progress=progress)
     if not rewrite:
         return before, None
-    fixed = rewrite_step(fn, mesh, verify=verify, args=args, analysis=before, progress=progress)
+    try:
+        fixed = rewrite_step(fn, mesh, verify=verify, args=args, analysis=before, progress=progress,
+                             **token_axes)
+    except RewriteError as e:
+        if on_refusal is None:
+            raise
+        on_refusal(str(e))
+        return before, None
     if progress:
         progress("analyzing the rewritten step")
     return before, analyze(fixed, *args, progress=progress)

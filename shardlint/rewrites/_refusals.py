@@ -20,9 +20,7 @@ _LINEAR_UNARY = {"neg", "convert_element_type", "reshape", "transpose", "broadca
                  "squeeze", "expand_dims", "copy", "copy_p", "reduce_sum", "mul", "dot_general"}
 _LINEAR_SUMS = {"add", "add_any", "sub"}
 
-CAPACITY_WAY_OUT = ("Compute capacity per group of tokens (per shard), use a dropless routed MoE, "
-                    "or opt in with capacity='per-shard' (CLI --per-shard-capacity) to let each "
-                    "shard drop by its own capacity")
+CAPACITY_WAY_OUT = "Compute capacity per group of tokens (per shard) or use a dropless routed MoE"
 
 
 def user_line(eqn) -> str:

@@ -34,10 +34,6 @@ class Sub:
     stacks: bool           # a scan body: operands past `sliced_from` arrive one slice each
     sliced_from: int = 0
 
-    @property
-    def closed(self) -> bool:
-        return self.key != "jaxpr" or bool(self.consts) or self.stacks
-
 
 def sub_of(eqn) -> Sub | None:
     """The one inner jaxpr of an equation that shardlint rewrites inside, else None
@@ -52,8 +48,8 @@ def sub_of(eqn) -> Sub | None:
         return None
     consts = tuple(getattr(inner, "consts", ()))
     if name == "scan":
-        p = eqn.params
-        return Sub(key, jaxpr, consts, True, p["num_consts"] + p["num_carry"])
+        num_consts, num_carry = _jax.scan_counts(eqn.params)
+        return Sub(key, jaxpr, consts, True, num_consts + num_carry)
     return Sub(key, jaxpr, consts, False)
 
 
@@ -61,8 +57,8 @@ def carries(eqn) -> tuple[int, int]:
     """(first, end) of the operand positions a scan carries from one layer to the next."""
     if eqn.primitive.name != "scan":
         return (0, 0)
-    first = eqn.params["num_consts"]
-    return (first, first + eqn.params["num_carry"])
+    num_consts, num_carry = _jax.scan_counts(eqn.params)
+    return (num_consts, num_consts + num_carry)
 
 
 def bind_with(eqn, new_inner, invals: list) -> list:

@@ -185,7 +185,7 @@ def make_prejitted_step(mesh):
     return step, (params, x)
 
 
-def make_nnx_step(mesh):
+def make_nnx_step(mesh, concrete: bool = False):
     """A Flax NNX routed MoE (flattens (batch, seq)) trained with `nnx.Optimizer` (adam).
 
     `nnx.jit`-ed `train_step(model, optimizer, x)`; model and optimizer come from
@@ -222,8 +222,13 @@ def make_nnx_step(mesh):
         model = MoE(nnx.Rngs(0))
         return model, nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
 
-    model, optimizer = nnx.eval_shape(create)
     replicated = NamedSharding(mesh, P())
+    if concrete:  # real weights, to run the step (`concrete=True`); else shapes only
+        model, optimizer = create()
+        for state in (nnx.state(model), nnx.state(optimizer)):
+            nnx.update(state, jax.device_put(state, replicated))
+        return train_step, (model, optimizer, _batch(mesh))
+    model, optimizer = nnx.eval_shape(create)
     for state in (nnx.state(model), nnx.state(optimizer)):
         nnx.update(state, jax.tree.map(
             lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=replicated), state))
