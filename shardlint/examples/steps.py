@@ -175,3 +175,19 @@ def make_attention_step(mesh, sizes: Sizes = Sizes()):
     step = _loss_step(lambda p, x: attention_kv_gather(mesh, p, x))
     d = sizes.emb
     return step, _args(mesh, sizes, {"wq": (d, d), "wk": (d, d), "wv": (d, d)})
+
+
+def make_scanned_step(mesh, sizes: Sizes = Sizes(), layers: int = 4, remat: bool = True):
+    """`lax.scan` over `layers` stacked routed-MoE layers (MaxText's `scan_layers`), each
+    a residual block under `jax.checkpoint` unless `remat=False`: the bug, once per layer."""
+
+    def layer(x_BSD, params):
+        return x_BSD + routed_moe(params, x_BSD, sizes.top_k), None
+
+    body = jax.checkpoint(layer) if remat else layer
+
+    def model(params, x_BSD):
+        return jax.lax.scan(body, x_BSD, params)[0]
+
+    shapes = {k: (layers, *v) for k, v in _moe_shapes(sizes).items()}
+    return _loss_step(model), _args(mesh, sizes, shapes)
