@@ -47,7 +47,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--json", metavar="FILE", help="write the analysis (shardlint.analysis/2)")
     p.add_argument("--rewrite", action="store_true",
                    help="analyze the step after putting the sharding-preserving MoE in place")
-    _add_token_axes(p)
+    _add_rewrite_options(p)
     _add_topology(p)
     p = sub.add_parser("report", help="write one self-contained HTML report: findings, "
                                       "collectives and memory, before and after the rewrite")
@@ -56,7 +56,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="the HTML file to write (default: shardlint-report.html)")
     p.add_argument("--no-rewrite", action="store_true",
                    help="report the step as it is, without the rewritten step beside it")
-    _add_token_axes(p)
+    _add_rewrite_options(p)
     p.add_argument("--sweep", metavar="AXIS=v1,v2,...",
                    help="also re-run the step with the mesh's AXIS at each size and chart "
                         "per-device memory against it, e.g. --sweep context=1,2,4,8")
@@ -121,8 +121,8 @@ def _analyze(args) -> int:
     if args.rewrite:
         from .rewrites import rewrite
 
-        fn = rewrite(fn, mesh, verify=_can_run(args, True), args=step_args, progress=_progress,
-                     **_token_axes(args, mesh))
+        fn = rewrite(fn, mesh, verify=_can_verify(args, True), args=step_args, progress=_progress,
+                     **_rewrite_options(args, mesh))
     analysis = analyze(fn, *step_args, progress=_progress)
     fit = fit_of(analysis, args.hbm_gib)
     print(format_text(analysis, title=args.target + (" (rewritten)" if args.rewrite else ""),
@@ -133,13 +133,17 @@ def _analyze(args) -> int:
     return 1 if analysis.findings or (fit and not fit.fits) else 0
 
 
-def _add_token_axes(p: argparse.ArgumentParser) -> None:
+def _add_rewrite_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-axes", metavar="A,B", type=_axis_list,
                    help="mesh axes that shard the tokens' batch dimension, for the rewrite "
                         "(default: read from the analysis)")
     p.add_argument("--seq-axes", metavar="A,B", type=_axis_list,
                    help="mesh axes that shard the tokens' sequence dimension, for the rewrite "
                         "(default: read from the analysis)")
+    p.add_argument("--per-shard-capacity", action="store_true",
+                   help="let the rewrite run a capacity computed from the tokens (GShard-style "
+                        "dispatch) per shard: each shard drops by its own capacity, so which "
+                        "tokens drop changes (refused by default)")
 
 
 def _axis_list(text: str) -> tuple[str, ...]:
@@ -149,18 +153,28 @@ def _axis_list(text: str) -> tuple[str, ...]:
     return names
 
 
-def _token_axes(args, mesh) -> dict:
-    """`batch_axes=`/`seq_axes=` for the rewrite from --batch-axes/--seq-axes."""
+def _rewrite_options(args, mesh) -> dict:
+    """The rewrite's `batch_axes=`/`seq_axes=`/`capacity=` from the command line."""
+    options = {"capacity": "per-shard"} if args.per_shard_capacity else {}
     if args.batch_axes and not args.seq_axes:
         raise UsageError("--batch-axes needs --seq-axes too: the rewrite runs per shard over both")
     if not args.seq_axes:
-        return {}
+        return options
     mesh_axes = set(mesh.axis_names)
     names = (args.batch_axes or ()) + args.seq_axes
     if not set(names) <= mesh_axes:
         raise UsageError(f"--batch-axes/--seq-axes name {sorted(set(names) - mesh_axes)}, not "
                          f"axes of the mesh ({', '.join(sorted(mesh_axes))})")
-    return {"batch_axes": args.batch_axes or (), "seq_axes": args.seq_axes}
+    return {**options, "batch_axes": args.batch_axes or (), "seq_axes": args.seq_axes}
+
+
+def _can_verify(args, rewriting: bool) -> bool:
+    """Whether to check the rewrite's numbers: not on TPU topology devices (they only
+    compile), nor with per-shard capacity (it drops other tokens by design)."""
+    if rewriting and args.per_shard_capacity:
+        _progress("not verifying the rewrite's numbers: per-shard capacity drops other tokens")
+        return False
+    return _can_run(args, rewriting)
 
 
 def _can_run(args, rewriting: bool) -> bool:
@@ -179,8 +193,8 @@ def _report(args) -> int:
     mesh, fn, step_args = _load(args)
     rewrite = not args.no_rewrite
     refusals: list[str] = []
-    before, after = analyze_pair(fn, step_args, mesh, rewrite=rewrite, verify=_can_run(args, rewrite),
-                                 progress=_progress, on_refusal=refusals.append, **_token_axes(args, mesh))
+    before, after = analyze_pair(fn, step_args, mesh, rewrite=rewrite, verify=_can_verify(args, rewrite),
+                                 progress=_progress, on_refusal=refusals.append, **_rewrite_options(args, mesh))
     for reason in refusals:
         _progress(f"rewrite refused: {reason}")
     points = None

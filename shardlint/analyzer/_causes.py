@@ -46,10 +46,9 @@ _WRITTEN = {"all_gather", "all_gather_invariant", "all_to_all", "ragged_all_to_a
 _UNSPLITTABLE_WAY_OUT = (
     "{op} cannot be split along the sharded dimension, so XLA's partitioner gathers its "
     "inputs over {axes}: compute it per shard inside jax.shard_map over the axes that shard "
-    "batch and sequence (for MoE routing: gate logits, top_k, one-hot and the scatter into "
-    "[batch, seq, experts] in the same shard_map as the experts; `--rewrite` does this only "
-    "where the layer flattens (batch, seq) before a grouped matmul), or keep the dimension "
-    "it works along unsharded")
+    "batch and sequence (for MoE routing, `shardlint analyze --rewrite` does that where the "
+    "op feeds the experts: top_k, the scatter into [batch, seq, experts], sort; a cumsum over "
+    "tokens with --per-shard-capacity), or keep the dimension it works along unsharded")
 
 
 @dataclasses.dataclass(frozen=True)

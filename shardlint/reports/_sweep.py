@@ -75,12 +75,12 @@ def prepare_devices(mesh_spec: str, sweep_spec: str | None) -> tuple[str, tuple[
 
 def analyze_pair(fn: Callable, args: tuple, mesh, *, rewrite: bool = True, verify: bool = True,
                  progress: Progress | None = None, on_refusal: Callable[[str], None] | None = None,
-                 **token_axes) -> tuple[Analysis, Analysis | None]:
+                 **rewrite_options) -> tuple[Analysis, Analysis | None]:
     """Analyzes the step, then (with `rewrite`) the rewritten step on the same arguments.
 
     With `on_refusal`, a rewrite that is refused (`RewriteError`) is reported to it and
-    the pair comes back without an after side, instead of raising. `token_axes` are the
-    rewrite's `batch_axes=`/`seq_axes=`.
+    the pair comes back without an after side, instead of raising. `rewrite_options` are
+    the rewrite's `batch_axes=`, `seq_axes=` and `capacity=`.
     """
     from .._errors import RewriteError
     from ..analyzer import analyze
@@ -91,7 +91,7 @@ def analyze_pair(fn: Callable, args: tuple, mesh, *, rewrite: bool = True, verif
         return before, None
     try:
         fixed = rewrite_step(fn, mesh, verify=verify, args=args, analysis=before, progress=progress,
-                             **token_axes)
+                             **rewrite_options)
     except RewriteError as e:
         if on_refusal is None:
             raise

@@ -52,10 +52,16 @@ def convex_groups(eqns, region: set[int]) -> list[Group]:
     return groups
 
 
-def boundaries(level, eqns, l_eqns, producer, consumers, scaled, outvars: dict, crossable,
-               *, exits: set[int], stacked_in) -> None:
-    """Fills each group's inputs and outputs, and the level's per-shard results."""
+def boundaries(level, eqns, l_eqns, producer, consumers, outvars: dict, crossable, *,
+               sharded: set, scrambled: set, per_shard: set) -> None:
+    """Fills each group's inputs and outputs, and the level's per-shard results.
+
+    `sharded` values carry tokens along a dimension sharded like the input's; those in
+    `scrambled` hold them in per-shard order. `per_shard` values have no global form (a
+    dimension sized by a per-shard capacity).
+    """
     group_of = {i: gi for gi, grp in enumerate(level.groups) for i in grp.eqns}
+    tokens = sharded | per_shard
     for grp in level.groups:
         mine = set(grp.eqns)
         produced = {v for i in grp.eqns for v in eqns[i].outvars}
@@ -75,23 +81,25 @@ def boundaries(level, eqns, l_eqns, producer, consumers, scaled, outvars: dict, 
                 outside = any(c not in group_of for c in users)
                 elsewhere = any(c in group_of for c in users)
                 leaves = at is not None and at in crossable
-                if v in scaled:
-                    if i in exits:
-                        continue  # back in (batch, seq, ...) order: it leaves sharded
-                    if outside or (at is not None and not leaves):
+                stays = outside or (at is not None and not leaves)
+                if v in per_shard:
+                    if stays:
+                        _refusals.refuse_global_capacity(eqns[i], v)
+                elif v in sharded:
+                    if v not in scrambled:
+                        continue  # in (batch, seq, ...) order: it leaves sharded
+                    if stays:
                         _refusals.refuse_scrambled_exit(eqns[i], v)
                     if leaves:
                         level.scrambled_out.add(at)
                     continue
-                if outside or (at is not None and not leaves):
-                    _refusals.require_linear(v, eqns, l_eqns, producer, mine, scaled)
+                elif stays:
+                    _refusals.require_linear(v, eqns, l_eqns, producer, mine, tokens)
                     grp.summed.add(v)
                 if elsewhere or leaves:
                     grp.stacked.add(v)
                 if leaves:
                     level.stacked_out.add(at)
-    for v in stacked_in:
-        level.stacked_in.add(v)
 
 
 def _vars(atoms):

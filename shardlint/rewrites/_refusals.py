@@ -20,7 +20,9 @@ _LINEAR_UNARY = {"neg", "convert_element_type", "reshape", "transpose", "broadca
                  "squeeze", "expand_dims", "copy", "copy_p", "reduce_sum", "mul", "dot_general"}
 _LINEAR_SUMS = {"add", "add_any", "sub"}
 
-CAPACITY_WAY_OUT = "Compute capacity per group of tokens (per shard) or use a dropless routed MoE"
+CAPACITY_WAY_OUT = ("Compute capacity per group of tokens (per shard), use a dropless routed MoE, "
+                    "or opt in with capacity='per-shard' (CLI --per-shard-capacity) to let each "
+                    "shard drop by its own capacity")
 
 
 def user_line(eqn) -> str:
@@ -31,23 +33,39 @@ def user_line(eqn) -> str:
 def refuse_token_coupling(eqns, region, specs) -> None:
     """A running total over tokens (capacity positions) differs per shard: refuse."""
     for i in sorted(region):
-        eqn = eqns[i]
-        name = eqn.primitive.name
-        operands = [a for a in eqn.invars[:1] if not _jax.is_literal(a)]
-        spec = specs.get(operands[0]) if operands else None
-        if spec is None:
-            continue
-        if name in _CUMULATIVE:
-            coupled = [eqn.params.get("axis", 0)]
-        elif name.startswith("reduce_window"):
-            coupled = [d for d, w in enumerate(eqn.params.get("window_dimensions", ())) if w > 1]
-        else:
-            continue
-        if any(d < len(spec) and spec[d] is not None for d in coupled):
+        eqn = _coupling_eqn(eqns[i], specs)
+        if eqn is not None:
+            where = user_line(eqn) or user_line(eqns[i])  # a jitted helper's caller
             raise RewriteError(
-                f"{name} over the token dimension{user_line(eqn)} couples all tokens (a capacity "
-                "or position computed globally): per shard it would give different numbers, so "
-                f"this region is left alone. {CAPACITY_WAY_OUT}")
+                f"{eqn.primitive.name} over the token dimension{where} couples all tokens "
+                "(a capacity or position computed globally): per shard it would give different "
+                f"numbers, so this region is left alone. {CAPACITY_WAY_OUT}")
+
+
+def couples_tokens(eqn, specs) -> bool:
+    """A running total (cumsum, reduce-window) along a dimension that carries tokens;
+    jitted helpers (jnp.cumsum is one) are looked into."""
+    return _coupling_eqn(eqn, specs) is not None
+
+
+def _coupling_eqn(eqn, specs):
+    from ._subjaxprs import sub_of
+
+    name = eqn.primitive.name
+    sub = sub_of(eqn) if name in ("jit", "pjit") else None
+    if sub is not None:
+        return next((c for c in map(lambda e: _coupling_eqn(e, specs), sub.jaxpr.eqns) if c is not None), None)
+    operands = [a for a in eqn.invars[:1] if not _jax.is_literal(a)]
+    spec = specs.get(operands[0]) if operands else None
+    if spec is None:
+        return None
+    if name in _CUMULATIVE:
+        coupled = [eqn.params.get("axis", 0)]
+    elif name.startswith("reduce_window"):
+        coupled = [d for d, w in enumerate(eqn.params.get("window_dimensions", ())) if w > 1]
+    else:
+        return None
+    return eqn if any(d < len(spec) and spec[d] is not None for d in coupled) else None
 
 
 def refuse_global_capacity(eqn, var) -> None:

@@ -26,11 +26,18 @@ from .. import _jax
 from .._errors import RewriteError
 from ..analyzer._detect import reshape_groups
 from ..analyzer._patterns import is_grouped_matmul_eqn
+from ..analyzer._stack import display_path
 from . import _refusals
 from ._groups import Group, boundaries, convex_groups
 from ._replay import bind_eqn, read
 from ._subjaxprs import carries, sub_of
 from ._trace import TokenAxes, Traces, entry_axes, pair_vars
+
+
+# Routing ops that XLA's partitioner may not split along batch or sequence (it gathers
+# their inputs); where the analysis found that, they run per shard.
+ROUTING_OPS = {"top_k", "sort", "scatter", "scatter-add", "scatter_add", "gather", "cumsum",
+               "cumprod", "cummax", "cummin", "argmax", "argmin"}
 
 
 @dataclasses.dataclass
@@ -65,7 +72,12 @@ class Plan:
     traces: Traces
 
 
-def plan_regions(traces: Traces, axes: TokenAxes) -> Plan:
+def plan_regions(traces: Traces, axes: TokenAxes, *, seed_lines: frozenset = frozenset(),
+                 per_shard_capacity: bool = False) -> Plan:
+    """`seed_lines` are the (file, line) pairs where the analysis found sharding lost: a
+    routing op there (top_k, a scatter into `[batch, seq, experts]`, a sort, a cumsum)
+    starts a region even without a flatten. `per_shard_capacity` lets a capacity computed
+    from the tokens run per shard (each shard drops by its own capacity)."""
     g, l = traces.global_jaxpr, traces.local_jaxpr
     local_of = pair_vars(g.jaxpr, l.jaxpr)
     seq_of = pair_vars(g.jaxpr, traces.seq_jaxpr.jaxpr)
@@ -78,17 +90,19 @@ def plan_regions(traces: Traces, axes: TokenAxes) -> Plan:
         names = [a for entry in spec for a in entry_axes(entry)]
         if len(names) != len(set(names)):
             doubly.add(var)
-            spec = P(*([None] * len(spec)))
+            continue
         specs[var] = spec
-    planner = _Planner(axes, specs, set(specs), doubly, local_of)
+    planner = _Planner(axes, specs, doubly, local_of, seed_lines, per_shard_capacity)
     top = planner.level(g.jaxpr, tuple(g.consts), l.jaxpr, tuple(l.consts))
     return Plan(top, axes, specs, local_of, traces)
 
 
 class _Planner:
-    def __init__(self, axes, specs, scaled, doubly, local_of):
-        self.axes, self.specs, self.scaled, self.doubly = axes, specs, scaled, doubly
+    def __init__(self, axes, specs, doubly, local_of, seed_lines, per_shard_capacity):
+        self.axes, self.specs, self.doubly = axes, specs, doubly
+        self.scaled = set(specs) | doubly      # values that carry tokens
         self.local_of = local_of
+        self.seed_lines, self.per_shard_capacity = seed_lines, per_shard_capacity
 
     def level(self, jaxpr, consts, local, local_consts, *, scrambled_in=frozenset(),
               stacked_in=frozenset(), built_in=None, crossable=frozenset()) -> Level:
@@ -96,8 +110,8 @@ class _Planner:
         producer = {v: i for i, e in enumerate(eqns) for v in e.outvars}
         consumers = _consumers(eqns)
         builders = _Builders(jaxpr, local, local_consts, producer, self.scaled, built_in or {})
-        region = self._region(eqns, producer, consumers, scrambled_in, stacked_in)
-        if region:
+        region, scrambled = self._region(eqns, producer, consumers, scrambled_in, stacked_in)
+        if region and not self.per_shard_capacity:
             _refusals.refuse_token_coupling(eqns, region, self.specs)
             for i in sorted(region):
                 for v in eqns[i].outvars:
@@ -106,9 +120,8 @@ class _Planner:
         groups = convex_groups(eqns, region)
         level = Level(jaxpr, consts, local, local_consts, groups, {}, set(stacked_in), {})
         outvars = {v: k for k, v in enumerate(jaxpr.outvars) if not _jax.is_literal(v)}
-        boundaries(level, eqns, local.eqns, producer, consumers, self.scaled, outvars, crossable,
-                   exits={i for i, e in enumerate(eqns) if _splits_tokens(e, self.specs, self.axes)},
-                   stacked_in=stacked_in)
+        boundaries(level, eqns, local.eqns, producer, consumers, outvars, crossable,
+                   sharded=set(self.specs), scrambled=scrambled, per_shard=self.doubly)
         for grp in groups:
             for v in grp.inputs:
                 if v in self.scaled and v not in scrambled_in and builders.can_build(v):
@@ -116,34 +129,60 @@ class _Planner:
         self._enter_bodies(level, eqns, region, consumers, builders, scrambled_in, stacked_in)
         return level
 
-    def _region(self, eqns, producer, consumers, scrambled_in, stacked_in) -> set[int]:
-        seeds = {i for i, e in enumerate(eqns) if _merges_seq(e, self.specs, self.axes)}
+    def _region(self, eqns, producer, consumers, scrambled_in, stacked_in) -> tuple[set[int], set]:
+        """The region's equations, and the values in it that hold tokens in per-shard order
+        (flattened, or built from per-shard constants): those may not leave it."""
+        merges = {i for i, e in enumerate(eqns) if _merges_seq(e, self.specs, self.axes)}
+        routing = {i for i, e in enumerate(eqns) if self._routing_seed(e)}
         arriving = set(scrambled_in) | set(stacked_in)
+        seeds = merges | routing
         seeds |= {c for v in arriving for c in consumers.get(v, ()) if sub_of(eqns[c]) is None}
         if not seeds:
-            return set()
+            return set(), set()
         exits = {i for i, e in enumerate(eqns) if _splits_tokens(e, self.specs, self.axes)}
-        # Grow to a fixpoint: an equation joins when it reads tokens from the region, or
+        # Grow to a fixpoint: an equation joins when it reads tokens in per-shard order, or
         # reads a per-shard value (group sizes, offsets) and feeds back into the region.
         region: set[int] = set(seeds)
+        scrambled: set = set(scrambled_in)
+        # With per-shard capacity, a running total over tokens means "per shard": what it
+        # feeds stays in the region until tokens are back in block form (the combine).
+        coupling = {i for i in routing if self.per_shard_capacity
+                    and _refusals.couples_tokens(eqns[i], self.specs)}
         changed = True
         while changed:
             changed = False
             reaches = _reaches(eqns, consumers, region)
             for i, e in enumerate(eqns):
-                if i in region:
-                    continue
-                for v in _vars(e.invars):
-                    p = producer.get(v)
-                    if (p is None or p not in region) and v not in arriving:
+                ins = _vars(e.invars)
+                if i not in region:
+                    per_shard = any(v not in self.scaled and (producer.get(v) in region or v in stacked_in)
+                                    for v in ins)
+                    if not (any(v in scrambled for v in ins) or (per_shard and i in reaches)):
                         continue
-                    carries_tokens = v in self.scaled and p not in exits
-                    if carries_tokens or (v not in self.scaled and i in reaches):
-                        region.add(i)
+                    region.add(i)
+                    changed = True
+                if i in exits or (coupling and self._back_in_block_form(e)):
+                    continue
+                if i in merges or i in coupling or any(v in scrambled for v in ins):
+                    new = {v for v in e.outvars if v in self.scaled} - scrambled
+                    if new:
+                        scrambled |= new
                         changed = True
-                        break
-        _pull_in_constants(eqns, region, self.scaled, producer)
-        region = _routed_only(eqns, region, producer)
+        grown = set(region)
+        pulled = _pull_in_constants(eqns, region, self.scaled, producer)
+        # Constants rebuilt per shard hold local positions (indices into the shard's
+        # block, which is what the region's ops address): they may not leave it. What
+        # was pulled in because it computes on region values follows its inputs.
+        constant: set[int] = set()
+        for i in sorted(pulled):
+            ins = _vars(eqns[i].invars)
+            if all(producer.get(v) in constant or (v not in self.scaled and producer.get(v) not in grown)
+                   for v in ins):
+                constant.add(i)
+                scrambled |= {v for v in eqns[i].outvars if v in self.scaled}
+            elif any(v in scrambled for v in ins):
+                scrambled |= {v for v in eqns[i].outvars if v in self.scaled}
+        region = self._routed_only(eqns, region, producer, consumers, routing)
         for v in arriving:
             outside = [c for c in consumers.get(v, ()) if c not in region and sub_of(eqns[c]) is None]
             if outside:
@@ -151,7 +190,38 @@ class _Planner:
                     f"a per-shard value ({v.aval.str_short()}) that a routed layer saved for later "
                     f"is read outside a routed region{_refusals.user_line(eqns[outside[0]])}; "
                     "wrap the layer in jax.checkpoint so its backward recomputes it")
-        return region
+        return region, scrambled
+
+    def _back_in_block_form(self, eqn) -> bool:
+        """Tokens sharded as the input's, computed from a per-shard-capacity value (one
+        with a dimension sized by the capacity): the combine of a capacity dispatch."""
+        return (all(v in self.specs for v in eqn.outvars)
+                and any(v in self.doubly for v in _vars(eqn.invars)))
+
+    def _routing_seed(self, eqn) -> bool:
+        """A routing op where the analysis found the sharding lost (jnp's `cumsum`,
+        `argsort` and `take_along_axis` are jitted helpers: their jit equation counts)."""
+        if not self.seed_lines or not _is_routing_op(eqn):
+            return False
+        if not any(v in self.scaled for v in _vars(eqn.invars)):
+            return False
+        frame = _jax.user_frame(eqn)
+        return frame is not None and (display_path(frame[0]), frame[1]) in self.seed_lines
+
+    def _routed_only(self, eqns, region, producer, consumers, routing) -> set[int]:
+        """The connected parts of the region that route tokens to experts: they hold a
+        grouped matmul or an expert-batched dot, or a routing op whose result reaches an
+        expert weight's matmul (the rest of the step, a backward included), or a routing
+        op on the same line as such a one (its transpose in the backward)."""
+        experts = {i for i, e in enumerate(eqns) if _reads_expert_weights(e, eqns, producer)}
+        routed_lines = set()
+        for i in routing:
+            if _reaches_any(i, eqns, consumers, experts):
+                routed_lines.add(_jax.user_frame(eqns[i]))
+        keep = {i for i in routing if _jax.user_frame(eqns[i]) in routed_lines}
+        return _connected_parts(eqns, region, producer,
+                                lambda i: i in keep or is_grouped_matmul_eqn(eqns[i])
+                                or _expert_batched(eqns[i], producer))
 
     def _enter_bodies(self, level, eqns, region, consumers, builders, scrambled_in, stacked_in):
         scrambled = set(scrambled_in)   # vars at this level holding tokens in per-shard order
@@ -318,10 +388,12 @@ def _reaches(eqns, consumers, targets: set[int]) -> set[int]:
     return reaches
 
 
-def _pull_in_constants(eqns, region, scaled, producer) -> None:
+def _pull_in_constants(eqns, region, scaled, producer) -> set[int]:
     """Token-sized values built from nothing (iota, zeros, `arange(T) // K`) join the
-    region with everything they are built from, so they are rebuilt at local size."""
+    region with everything they are built from, so they are rebuilt at local size.
+    Returns the equations pulled in."""
     memo: dict[int, bool] = {}
+    pulled: set[int] = set()
 
     def buildable(p: int) -> bool:
         if p not in memo:
@@ -335,6 +407,7 @@ def _pull_in_constants(eqns, region, scaled, producer) -> None:
         if p in region:
             return
         region.add(p)
+        pulled.add(p)
         for u in _vars(eqns[p].invars):
             if u in scaled and producer.get(u) is not None:
                 pull(producer[u])
@@ -344,11 +417,19 @@ def _pull_in_constants(eqns, region, scaled, producer) -> None:
             p = producer.get(v)
             if p is not None and p not in region and v in scaled and buildable(p):
                 pull(p)
+    return pulled
 
 
-def _routed_only(eqns, region: set[int], producer) -> set[int]:
-    """The connected parts of the region that hold a grouped matmul (a routed-expert
-    region); other token flattens (a cross-entropy over flattened tokens) stay as they are."""
+def _is_routing_op(eqn) -> bool:
+    if eqn.primitive.name in ROUTING_OPS:
+        return True
+    sub = sub_of(eqn) if eqn.primitive.name in ("jit", "pjit") else None
+    return sub is not None and any(_is_routing_op(e) for e in sub.jaxpr.eqns)
+
+
+def _connected_parts(eqns, region: set[int], producer, holds) -> set[int]:
+    """The region's equations in connected parts that have an equation `holds` accepts;
+    other token flattens (a cross-entropy over flattened tokens) stay as they are."""
     parent = {i: i for i in region}
 
     def find(i):
@@ -362,9 +443,46 @@ def _routed_only(eqns, region: set[int], producer) -> set[int]:
             p = producer.get(v)
             if p in region:
                 parent[find(i)] = find(p)
-    routed = {find(i) for i in region if is_grouped_matmul_eqn(eqns[i])
-              or _expert_batched(eqns[i], producer)}
+    routed = {find(i) for i in region if holds(i)}
     return {i for i in region if find(i) in routed}
+
+
+def _reads_expert_weights(eqn, eqns, producer) -> bool:
+    """A matmul with a stacked expert weight: an input of the jaxpr of rank 3 or more,
+    maybe through a layout op or a sharding annotation."""
+    if eqn.primitive.name not in ("dot_general", "ragged_dot_general"):
+        return False
+    for operand in _vars(eqn.invars):
+        for _ in range(4):
+            p = producer.get(operand)
+            if p is None:
+                if len(getattr(operand.aval, "shape", ())) >= 3:
+                    return True
+                break
+            if eqns[p].primitive.name not in _LAYOUT_PRIMITIVES:
+                break
+            operand = next(iter(_vars(eqns[p].invars)), None)
+            if operand is None:
+                break
+    return False
+
+
+_LAYOUT_PRIMITIVES = {"convert_element_type", "transpose", "reshape", "copy", "copy_p",
+                      "sharding_constraint", "reshard", "mesh_cast", "squeeze", "expand_dims"}
+
+
+def _reaches_any(start: int, eqns, consumers, targets: set[int]) -> bool:
+    seen, stack = {start}, [start]
+    while stack:
+        i = stack.pop()
+        if i in targets:
+            return True
+        for v in eqns[i].outvars:
+            for c in consumers.get(v, ()):
+                if c not in seen:
+                    seen.add(c)
+                    stack.append(c)
+    return False
 
 
 def _expert_batched(eqn, producer) -> bool:

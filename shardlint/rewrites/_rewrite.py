@@ -12,6 +12,7 @@ itself against the original on random inputs.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import warnings
 from typing import Callable
@@ -31,10 +32,13 @@ class RewrittenStep:
     """A step whose routed-expert regions run per shard; same signature and outputs."""
 
     def __init__(self, step: Callable, mesh, *, axes: TokenAxes | None = None,
-                 progress: Callable[[str], None] | None = None):
+                 progress: Callable[[str], None] | None = None, lost: _Lost | None = None,
+                 per_shard_capacity: bool = False):
         self.step = step
         self.mesh = mesh
         self.axes = axes
+        self.lost = lost
+        self.per_shard_capacity = per_shard_capacity
         self.progress = progress or (lambda message: None)
         self.notes: list[str] = []
         self.changed: bool | None = None   # known once built for some arguments
@@ -72,20 +76,25 @@ class RewrittenStep:
         return self._cache[key]
 
     def _build(self, args):
-        flat = jax.tree_util.tree_leaves(args)
-        if self.axes is None and not all(isinstance(getattr(x, "sharding", None), NamedSharding) for x in flat):
-            raise RewriteError("rewrite needs the arguments' NamedShardings to find the token "
-                               "axes: call it on arrays or ShapeDtypeStructs that carry them")
         if self.why_unchanged is not None:
             return self._unchanged(self.why_unchanged, args)
-        axes = self.axes or _token_axes(self.step, args, self.progress)
+        flat = jax.tree_util.tree_leaves(args)
+        if self.axes is None and not any(isinstance(getattr(x, "sharding", None), NamedSharding) for x in flat):
+            raise RewriteError("rewrite needs the arguments' NamedShardings to find the token "
+                               "axes: call it on arrays or ShapeDtypeStructs that carry them")
+        lost = self.lost
+        if lost is None and self.axes is None:
+            lost = _lost_in(self.step, args, self.progress)
+        axes = self.axes or lost.axes
         if axes is None:
-            return self._unchanged("no flatten loses sharding before a grouped matmul", args)
+            return self._unchanged(NOTHING_LOST, args)
         traces = trace_step(self.step, args, axes, self.mesh)
-        plan = plan_regions(traces, axes)
+        plan = plan_regions(traces, axes, seed_lines=lost.lines if lost else frozenset(),
+                            per_shard_capacity=self.per_shard_capacity)
         if not plan.top.changed:
-            return self._unchanged("no reshape folds the sharded sequence into tokens before a "
-                                   "grouped matmul", args)
+            return self._unchanged("no routed region loses the sequence sharding: no reshape folds "
+                                   "it into tokens before a grouped matmul, and no routing op "
+                                   "feeding the experts is where the analysis found it lost", args)
         self.changed = True
         self.notes.append(f"rewrote {plan.top.count()} routed region(s) to run per shard over "
                           f"{', '.join(axes.all)}")
@@ -127,34 +136,48 @@ def _as_jitted(run, jit_eqn, args):
     return in_own_jit, donate
 
 
+NOTHING_LOST = ("the analysis finds no sharding lost in routed-expert code (no flatten before "
+                "a grouped matmul, no routing op)")
+
+
 def rewrite(step: Callable, mesh, *, verify: bool = False, args: tuple | None = None,
             batch_axes: tuple[str, ...] | None = None, seq_axes: tuple[str, ...] | None = None,
-            analysis=None, progress: Callable[[str], None] | None = None):
+            analysis=None, capacity: str = "global", progress: Callable[[str], None] | None = None):
     """Returns `step` with each routed-expert region computed per shard.
 
-    The token axes (those sharding batch and sequence at the lossy flatten) come from the
-    analysis of `step` on the arguments' shardings (pass `analysis=` to reuse one you
-    have), or from `batch_axes`/`seq_axes`. With `verify=True` (needs `args`) both
-    versions run once on random inputs of the real shapes and a `RewriteError` is raised
-    if any output differs beyond float32 tolerance. The result behaves like a jitted
-    function (`__call__`, `trace`, `lower`); `result.changed` says whether anything was
-    rewritten (known once built for some arguments: at once when `args` is given), and a
-    `NothingToRewrite` warning says so when nothing was.
+    The token axes (those sharding batch and sequence where a routed layer loses the
+    sharding: a flatten before a grouped matmul, or a routing op) come from the analysis
+    of `step` on the arguments' shardings (pass `analysis=` to reuse one you have), or
+    from `batch_axes`/`seq_axes`. `capacity="per-shard"` lets a capacity computed from
+    the tokens (GShard-style dispatch) run per shard: each shard then drops by its own
+    capacity, which changes which tokens drop, so it is opt-in; by default such a region
+    is refused. With `verify=True` (needs `args`) both versions run once on random inputs
+    of the real shapes and a `RewriteError` is raised if any output differs beyond float32
+    tolerance. The result behaves like a jitted function (`__call__`, `trace`, `lower`);
+    `result.changed` says whether anything was rewritten (known once built for some
+    arguments: at once when `args` is given), and a `NothingToRewrite` warning says so
+    when nothing was.
     """
     from ._swap import swap_moe_layers
 
+    if capacity not in ("global", "per-shard"):
+        raise RewriteError(f"capacity={capacity!r}: expected 'global' (the default: refuse a capacity "
+                           "computed from all tokens) or 'per-shard'")
     axes = TokenAxes(tuple(batch_axes or ()), tuple(seq_axes)) if seq_axes else None
+    lost = None
+    if args is not None and (axes is None or analysis is not None):
+        lost = _lost_in(step, args, progress, analysis)
+        axes = axes or lost.axes
+    per_shard = capacity == "per-shard"
     if args is not None and axes is None:
-        axes = _token_axes(step, args, progress, analysis)
-        if axes is None:
-            result = _rewritten(step, mesh, None, progress)
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", NothingToRewrite)
-                result.unchanged_for(args, "no flatten loses sharding before a grouped matmul")
-            _warn_unchanged(result.notes[-1], stacklevel=3)
-            return result
+        result = _rewritten(step, mesh, None, progress, lost, per_shard)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", NothingToRewrite)
+            result.unchanged_for(args, NOTHING_LOST)
+        _warn_unchanged(result.notes[-1], stacklevel=3)
+        return result
     swapped = swap_moe_layers(step, mesh, args=args, axes=axes, progress=progress)
-    result = swapped if swapped is not None else _rewritten(step, mesh, axes, progress)
+    result = swapped if swapped is not None else _rewritten(step, mesh, axes, progress, lost, per_shard)
     if args is not None:
         with warnings.catch_warnings():   # said once, below, at the caller's line
             warnings.simplefilter("ignore", NothingToRewrite)
@@ -173,11 +196,11 @@ def _warn_unchanged(note: str, stacklevel: int) -> None:
                   NothingToRewrite, stacklevel=stacklevel)
 
 
-def _rewritten(step, mesh, axes, progress):
+def _rewritten(step, mesh, axes, progress, lost, per_shard_capacity):
+    kwargs = dict(axes=axes, progress=progress, lost=lost, per_shard_capacity=per_shard_capacity)
     if _is_nnx_jit(step):
-        inner = RewrittenStep(step.jitted_fn, mesh, axes=axes, progress=progress)
-        return NnxRewrittenStep(step, inner)
-    return RewrittenStep(step, mesh, axes=axes, progress=progress)
+        return NnxRewrittenStep(step, RewrittenStep(step.jitted_fn, mesh, **kwargs))
+    return RewrittenStep(step, mesh, **kwargs)
 
 
 def _is_nnx_jit(step) -> bool:
@@ -246,7 +269,7 @@ def verify_same(original: Callable, rewritten: Callable, args, *, rtol: float = 
     Returns False (and says so) when the inputs would not fit in `max_bytes`.
     """
     leaves = jax.tree_util.tree_leaves(args)
-    total = sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in leaves)
+    total = sum(math.prod(x.shape) * getattr(x.dtype, "itemsize", 8) for x in leaves)
     if total > max_bytes:
         if progress:
             progress(f"skipping verification: inputs need {total / 2**30:.1f} GiB")
@@ -268,24 +291,43 @@ def verify_same(original: Callable, rewritten: Callable, args, *, rtol: float = 
     return True
 
 
-def _token_axes(step, args, progress, analysis=None) -> TokenAxes | None:
+@dataclasses.dataclass(frozen=True)
+class _Lost:
+    """What the analysis says to rewrite: the token axes at the lossy ops (None: nothing
+    lost in routed code) and the (file, line) of every op where sharding was lost."""
+
+    axes: TokenAxes | None
+    lines: frozenset
+
+
+# Ops the analysis names where a routed layer loses the sharding without a flatten
+# (JAX 0.12 often names the matmul that feeds top_k instead of top_k itself).
+_ROUTING_FINDING_OPS = {"top_k", "scatter", "scatter-add", "gather", "sort", "cumsum",
+                        "reduce-window", "dot_general"}
+
+
+def _lost_in(step, args, progress, analysis=None) -> _Lost:
     from ..analyzer import analyze
 
     if analysis is None:
         analysis = analyze(step, *args, progress=progress)
-    found = set()
-    for f in analysis.findings:
-        if f.op == "reshape" and f.feeds_grouped_matmul and len(f.operand_spec) >= 2:
-            found.add((tuple(f.operand_spec[0]), tuple(f.operand_spec[1])))
-    if not found:
-        return None
+    lost = [f for f in analysis.findings if f.cause == "lost"]
+    lines = frozenset((s.file, s.line) for s in
+                      [f.source for f in lost] + [c.source for c in analysis.collectives if c.cause == "lost"]
+                      if s is not None)
+    flattens = {_axes_of(f) for f in lost
+                if f.op == "reshape" and f.feeds_grouped_matmul and len(f.operand_spec) >= 2}
+    routing = {_axes_of(f) for f in lost if f.op in _ROUTING_FINDING_OPS and len(f.operand_spec) >= 3}
+    found = {a for a in (flattens or routing) if a.seq}
     if len(found) > 1:
-        raise RewriteError(f"the lossy flattens are sharded differently ({sorted(found)}); "
-                           "pass batch_axes= and seq_axes= to choose")
-    batch, seq = found.pop()
-    if not seq:
-        return None
-    return TokenAxes(batch, seq)
+        raise RewriteError(f"the lossy ops are sharded differently "
+                           f"({sorted((a.batch, a.seq) for a in found)}); pass batch_axes= and "
+                           "seq_axes= to choose")
+    return _Lost(found.pop() if found else None, lines)
+
+
+def _axes_of(finding) -> TokenAxes:
+    return TokenAxes(tuple(finding.operand_spec[0]), tuple(finding.operand_spec[1]))
 
 
 def _as_jitted_fn(step):
@@ -305,6 +347,8 @@ def random_like(args):
         if jax.numpy.issubdtype(x.dtype, jax.numpy.floating):
             scale = 1 / math.sqrt(x.shape[-2]) if len(x.shape) >= 2 else 0.5
             v = (jax.random.normal(key, x.shape, jax.numpy.float32) * scale).astype(x.dtype)
+        elif jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):   # typed PRNG keys (MaxText's rngs)
+            v = jax.random.split(key, math.prod(x.shape)).reshape(x.shape)
         elif jax.numpy.issubdtype(x.dtype, jax.numpy.integer):
             v = jax.random.randint(key, x.shape, 0, 2).astype(x.dtype)
         else:

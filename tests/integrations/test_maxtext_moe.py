@@ -103,3 +103,41 @@ def test_second_analysis_with_maxtexts_compile_cache_is_the_same(dense):
     assert [(c.kind, c.axes, c.shape, c.cause) for c in second.collectives] == \
         [(c.kind, c.axes, c.shape, c.cause) for c in first.collectives]
     assert [(f.op, f.source) for f in second.findings] == [(f.op, f.source) for f in first.findings]
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=lambda c: f"context={c}")
+def dense_rewritten(request, cache_dir):
+    from shardlint.analyzer._compile import mesh_of
+
+    context = request.param
+    fn, args = maxtext_moe.make_moe_step(sparse=False, context=context, data=8 // context,
+                                         jax_cache_dir=cache_dir)
+    before = shardlint.analyze(fn, *args)
+    fixed = shardlint.rewrite(fn, mesh_of(args), args=args, analysis=before)
+    return fn, args, before, fixed, shardlint.analyze(fixed, *args)
+
+
+def test_dense_path_rewrite_removes_the_routing_gathers(dense_rewritten):
+    _, _, before, fixed, after = dense_rewritten
+    assert fixed.changed is True
+    assert [f for f in before.findings if f.cause == "lost"]
+    assert after.findings == ()
+    assert len(before.by_cause("lost")) > 0 and after.by_cause("lost") == ()
+    # The expert weights are still gathered over context inside the layer, as MaxText asks.
+    assert [c.cause for c in after.all_gathers()] == [c.cause for c in before.by_cause("weights")]
+
+
+def test_dense_path_rewrite_keeps_loss_and_gradients(dense_rewritten):
+    from shardlint.rewrites import verify_same
+
+    fn, args, _, fixed, _ = dense_rewritten
+    assert verify_same(fn, fixed, args, rtol=1e-5, atol=1e-6)
+
+
+def test_sparse_path_is_returned_unchanged(cache_dir):
+    from shardlint.analyzer._compile import mesh_of
+
+    fn, args = maxtext_moe.make_moe_step(sparse=True, jax_cache_dir=cache_dir)
+    with pytest.warns(shardlint.NothingToRewrite):
+        fixed = shardlint.rewrite(fn, mesh_of(args), args=args)
+    assert fixed.changed is False

@@ -60,3 +60,28 @@ def make_config_mask_step(mesh, seq_len: int = SEQ):
 
     params = {**_moe_params(mesh), **{w: _sds(mesh, (EMB, EMB)) for w in ("wq", "wk", "wv")}}
     return _loss_step(block), (params, _batch(mesh))
+
+
+def make_gshard_step(mesh, capacity_factor: float = 1.0):
+    """GShard capacity dispatch over `[batch, seq, experts]` (no flatten): a token's slot in
+    its expert is a cumsum over the sequence; slots past `capacity` (from the input's
+    shape and `capacity_factor`) drop. At `capacity_factor=EXPERTS` nothing drops, per
+    shard or globally."""
+
+    def gshard_moe(params, x_BSD):
+        _, s, _ = x_BSD.shape
+        capacity = max(1, int(s * TOP_K / EXPERTS * capacity_factor))
+        logits_BSE = jnp.einsum("bsd,de->bse", x_BSD, params["w_gate"])
+        probs_BSE = jax.nn.softmax(logits_BSE, axis=-1)
+        _, experts_BSK = jax.lax.top_k(probs_BSE, TOP_K)  # <- gshard top_k
+        mask_BSE = jax.nn.one_hot(experts_BSK, EXPERTS, dtype=jnp.int32).sum(2)
+        position_BSE = jnp.cumsum(mask_BSE, axis=1) - 1  # <- gshard cumsum
+        keep_BSE = (position_BSE < capacity) & (mask_BSE > 0)
+        dispatch_BSEC = jax.nn.one_hot(jnp.where(keep_BSE, position_BSE, -1), capacity, dtype=x_BSD.dtype)
+        combine_BSEC = dispatch_BSEC * probs_BSE[..., None]
+        expert_in_EBCD = jnp.einsum("bsec,bsd->ebcd", dispatch_BSEC, x_BSD)
+        hidden_EBCF = jax.nn.silu(jnp.einsum("ebcd,edf->ebcf", expert_in_EBCD, params["w_in"]))
+        expert_out_EBCD = jnp.einsum("ebcf,efd->ebcd", hidden_EBCF, params["w_out"])
+        return jnp.einsum("bsec,ebcd->bsd", combine_BSEC, expert_out_EBCD)
+
+    return _loss_step(gshard_moe), (_moe_params(mesh), _batch(mesh))
