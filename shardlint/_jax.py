@@ -67,6 +67,20 @@ def set_mesh(mesh):
     return set_mesh_fn(mesh) if set_mesh_fn is not None else contextlib.nullcontext()
 
 
+def no_ambient_mesh():
+    """Clears a mesh set with `jax.set_mesh` for the duration (`jax.set_mesh` and
+    `jax.sharding.get_abstract_mesh`, JAX 0.7+; only possible outside jit: inside a
+    caller's jit the mesh, if any, is the caller's to keep)."""
+    get = getattr(jax.sharding, "get_abstract_mesh", None)
+    set_mesh_fn = getattr(jax, "set_mesh", None)
+    if get is None or set_mesh_fn is None or get().empty:
+        return contextlib.nullcontext()
+    try:
+        return set_mesh_fn(None)
+    except ValueError:
+        return contextlib.nullcontext()
+
+
 # --- jaxpr replay (shardlint.rewrites). The same in JAX 0.10.2 through 0.12.0.1. ---------
 
 def is_literal(atom) -> bool:
@@ -123,3 +137,30 @@ def scan_counts(params) -> tuple[int, int]:
 def _num_leaves(flat_tree) -> int:
     vals = flat_tree.vals
     return len(list(vals() if callable(vals) else vals))
+
+
+def backends_are_initialized() -> bool:
+    """Whether JAX started a backend yet (`xla_bridge.backends_are_initialized`, private;
+    JAX 0.10.2 through 0.12.0.1): a platform choice made after that has no effect."""
+    from jax._src import xla_bridge
+
+    return xla_bridge.backends_are_initialized()
+
+
+# --- shard_map (shardlint.moe). JAX 0.7+ spells it `jax.shard_map(..., check_vma=)`;
+# older releases had `jax.experimental.shard_map.shard_map(..., check_rep=)`. -----------
+
+def shard_map(f, *, mesh, in_specs, out_specs, checked: bool = True, axis_names=None):
+    """`jax.shard_map` with its replication/varying-ness check on or off, whatever the
+    keyword is called in the installed JAX."""
+    import inspect
+
+    if hasattr(jax, "shard_map"):
+        fn = jax.shard_map
+    else:  # pragma: no cover - JAX before 0.7
+        from jax.experimental.shard_map import shard_map as fn
+    params = inspect.signature(fn).parameters
+    kwargs = {"check_vma" if "check_vma" in params else "check_rep": checked}
+    if axis_names is not None:
+        kwargs["axis_names"] = axis_names
+    return fn(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, **kwargs)

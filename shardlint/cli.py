@@ -192,11 +192,12 @@ def _report(args) -> int:
     sweep = prepare_devices(args.mesh, args.sweep)  # before _load: the sweep may need more devices
     mesh, fn, step_args = _load(args)
     rewrite = not args.no_rewrite
-    refusals: list[str] = []
+    notes: list[str] = []
     before, after = analyze_pair(fn, step_args, mesh, rewrite=rewrite, verify=_can_verify(args, rewrite),
-                                 progress=_progress, on_refusal=refusals.append, **_rewrite_options(args, mesh))
-    for reason in refusals:
-        _progress(f"rewrite refused: {reason}")
+                                 progress=_progress, on_rewrite_note=notes.append,
+                                 **_rewrite_options(args, mesh))
+    for note in notes:
+        _progress(note)
     points = None
     if sweep:
         axes = dict(zip(mesh.axis_names, mesh.devices.shape))
@@ -204,7 +205,7 @@ def _report(args) -> int:
                            known={axes[sweep[0]]: (before, after)},
                            build_mesh=_topology_meshes(args))
     write_html(before, after, path=args.out, sweep=points, title=args.target,
-               refused=refusals[0] if refusals else "")
+               rewrite_note=notes[0] if notes else "")
     _progress(f"wrote {args.out}")
     fits = _report_fit(args, before, after)
     return 1 if (after or before).findings or not fits else 0

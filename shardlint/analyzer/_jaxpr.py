@@ -2,14 +2,13 @@
 
 XLA:CPU lowers `ragged_dot` to a masked dense dot that is indistinguishable from other
 dots in HLO, so the analysis asks the traced program instead and matches by source line.
-Reading a user frame goes through JAX's private `source_info_util`; this is the one place
-that does, and it serves JAX 0.10 through 0.12 unchanged.
+Reading a user frame goes through JAX's private `source_info_util`, behind
+`shardlint._jax.user_frame`.
 """
 
 from __future__ import annotations
 
-from jax._src import source_info_util
-
+from .. import _jax
 from ._patterns import is_grouped_matmul_eqn
 
 
@@ -22,9 +21,9 @@ def grouped_matmul_sources(closed_jaxpr) -> frozenset[tuple[str, int]]:
 def _walk(jaxpr, found: set) -> None:
     for eqn in jaxpr.eqns:
         if is_grouped_matmul_eqn(eqn):
-            frame = source_info_util.user_frame(eqn.source_info.traceback) if eqn.source_info.traceback else None
+            frame = _jax.user_frame(eqn)
             if frame is not None:
-                found.add((frame.file_name, frame.start_line))
+                found.add(frame)
         for param in eqn.params.values():
             for sub in param if isinstance(param, (list, tuple)) else (param,):
                 inner = getattr(sub, "jaxpr", sub)

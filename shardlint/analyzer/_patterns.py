@@ -4,8 +4,9 @@ The analyzer asks whether a lost value flows into a grouped matmul (in the propa
 `is_grouped_matmul` / `feeds_grouped_matmul`) and which jaxpr equations are grouped matmuls
 (`is_grouped_matmul_eqn`, matched back to HLO by source line because XLA:CPU lowers
 `ragged_dot` to a masked dense dot); the rewrites ask the same of the jaxpr to find routed
-regions. `NEEDS_WHOLE` names the ops that need a whole dimension: where a gather of a
-sharded activation is placed for.
+regions (`is_expert_batched_eqn`, and `reads_expert_weights` for dense dispatch).
+`NEEDS_WHOLE` names the ops that need a whole dimension: where a gather of a sharded
+activation is placed for.
 """
 
 from __future__ import annotations
@@ -37,6 +38,45 @@ def is_grouped_matmul_eqn(eqn) -> bool:
     name = eqn.primitive.name
     return name in GROUPED_MATMUL_PRIMITIVES or (
         name == "pallas_call" and any(w in str(eqn.params.get("name", "")) for w in ("gmm", "grouped")))
+
+
+def is_expert_batched_eqn(eqn, producer: dict) -> bool:
+    """A jaxpr dispatch einsum: dot_general batched over the leading (expert) dim of a
+    rank-3 weight that is an input of the jaxpr (`producer`: Var -> equation index).
+    The jaxpr side of `is_grouped_matmul`'s expert-batched dot."""
+    if eqn.primitive.name != "dot_general":
+        return False
+    (_, _), (lhs_batch, rhs_batch) = eqn.params["dimension_numbers"]
+    for operand, batch in zip(eqn.invars, (lhs_batch, rhs_batch)):
+        if (not hasattr(operand, "val") and producer.get(operand) is None
+                and len(getattr(operand.aval, "shape", ())) == 3 and 0 in tuple(batch)):
+            return True
+    return False
+
+
+def reads_expert_weights(eqn, eqns, producer: dict) -> bool:
+    """A jaxpr matmul with a stacked expert weight: an input of the jaxpr of rank 3 or
+    more, maybe through a layout op or a sharding annotation (an einsum with `[E, D, F]`
+    weights, as dense dispatch computes every expert)."""
+    if eqn.primitive.name not in ("dot_general", "ragged_dot_general"):
+        return False
+    for operand in eqn.invars:
+        for _ in range(4):
+            if hasattr(operand, "val"):   # a Literal
+                break
+            p = producer.get(operand)
+            if p is None:
+                if len(getattr(operand.aval, "shape", ())) >= 3:
+                    return True
+                break
+            if eqns[p].primitive.name not in _JAXPR_LAYOUT_PRIMITIVES or not eqns[p].invars:
+                break
+            operand = eqns[p].invars[0]
+    return False
+
+
+_JAXPR_LAYOUT_PRIMITIVES = {"convert_element_type", "transpose", "reshape", "copy", "copy_p",
+                            "sharding_constraint", "reshard", "mesh_cast", "squeeze", "expand_dims"}
 
 
 def feeds_grouped_matmul(graph: nx.DiGraph, start: str) -> bool:

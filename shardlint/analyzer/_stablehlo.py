@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from jax._src.lib.mlir import ir
-from jax._src.lib.mlir.dialects import sdy
+from jax.extend.mlir import ir
+from jax.extend.mlir.dialects import sdy
 
 _ASKING_OPS = ("sdy.sharding_constraint", "sdy.reshard", "sdy.manual_computation")
 

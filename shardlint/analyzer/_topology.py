@@ -222,9 +222,10 @@ def _keep_jax_on_cpu() -> None:
     probe for an attached TPU through libtpu: seconds lost and libtpu errors printed.
     """
     import jax
-    from jax._src import xla_bridge
 
-    if not jax.config.jax_platforms and not xla_bridge.backends_are_initialized():
+    from .. import _jax
+
+    if not jax.config.jax_platforms and not _jax.backends_are_initialized():
         jax.config.update("jax_platforms", "cpu")
 
 

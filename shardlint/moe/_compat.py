@@ -1,25 +1,16 @@
-"""The one place that knows how JAX versions differ for what this package uses.
-
-Supported: JAX 0.10 and 0.12. Both spell the API `jax.shard_map(..., check_vma=)`; older
-releases had `jax.experimental.shard_map.shard_map(..., check_rep=)`. Keeping the switch
-here means the layers never branch on versions.
+"""What `shardlint.moe` needs from JAX beyond the obvious: `shard_map` with its checks on
+(the version shim itself lives in `shardlint._jax`, with every other one), and a stable
+argsort that keeps a value's varying-manual-axes type.
 """
 
 from __future__ import annotations
 
-import inspect
 from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 
-if hasattr(jax, "shard_map"):
-    _shard_map = jax.shard_map
-else:  # pragma: no cover - older JAX
-    from jax.experimental.shard_map import shard_map as _shard_map
-
-_PARAMS = inspect.signature(_shard_map).parameters
-_CHECK_KW = "check_vma" if "check_vma" in _PARAMS else "check_rep"
+from .. import _jax
 
 
 def shard_map(f: Callable[..., Any], *, mesh: jax.sharding.Mesh, in_specs: Any,
@@ -30,8 +21,7 @@ def shard_map(f: Callable[..., Any], *, mesh: jax.sharding.Mesh, in_specs: Any,
     gradients for inputs that are replicated over an axis the body varies over (weights
     over the token axes, activations over the tensor axis).
     """
-    return _shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
-                      **{_CHECK_KW: True})
+    return _jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, checked=True)
 
 
 def argsort(keys: jax.Array) -> jax.Array:

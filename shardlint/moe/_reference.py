@@ -11,12 +11,33 @@ It is kept deliberately unchanged so tests and benchmarks can show that.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
+from typing import Callable, Iterator
 
 import jax
 
 from ._config import MoeConfig
 from ._experts import Params, init_moe_params, moe_tokens
+
+
+# Who serves RoutedMoE calls instead of the layer itself: `shardlint.rewrite`'s swap route
+# sets it for the duration of one trace. A context variable, so nothing patches the class
+# and a trace elsewhere (another thread, another context) is not affected.
+_served_by: contextvars.ContextVar[Callable | None] = contextvars.ContextVar(
+    "shardlint_routed_moe_served_by", default=None)
+
+
+@contextlib.contextmanager
+def served_by(call: Callable | None) -> Iterator[None]:
+    """Inside, `RoutedMoE(cfg)(params, x)` returns `call(layer, params, x)` (None: the
+    layer itself)."""
+    token = _served_by.set(call)
+    try:
+        yield
+    finally:
+        _served_by.reset(token)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,6 +54,9 @@ class RoutedMoE:
         return init_moe_params(key, self.cfg)
 
     def __call__(self, params: Params, x_BSD: jax.Array) -> jax.Array:
+        serve = _served_by.get()
+        if serve is not None:
+            return serve(self, params, x_BSD)
         B, S, D = x_BSD.shape
         with jax.named_scope("moe/flatten"):
             x_TD = x_BSD.reshape(B * S, D)

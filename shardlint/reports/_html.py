@@ -247,7 +247,7 @@ def sweep_view(sweep: dict[str, Any]) -> dict[str, Any]:
 # ------------------------------------------------------------------------------ page
 
 def render_html(before: Analysis, after: Analysis | None = None, *, sweep: dict[str, Any] | None = None,
-                title: str = "", root: str | None = None, refused: str = "") -> str:
+                title: str = "", root: str | None = None, rewrite_note: str = "") -> str:
     """The report as one HTML string. `root` makes source paths relative (default: cwd)."""
     root = root or os.getcwd()
     sweep = check_sweep(sweep) if sweep is not None else None
@@ -256,7 +256,7 @@ def render_html(before: Analysis, after: Analysis | None = None, *, sweep: dict[
            "after": after.to_json() if after else None,
            "sweep": sweep_summary(sweep) if sweep else None}
     return _environment().get_template("report.html").render(
-        title=title, before=before, after=after, headline=headline(before, after), refused=refused,
+        title=title, before=before, after=after, headline=headline(before, after), rewrite_note=rewrite_note,
         verdict=verdict(before, after), memory=memory_rows(before, after),
         findings=[finding_view(f, i, before, root) for i, f in enumerate(before.findings, 1)],
         after_findings=[finding_view(f, i, after, root) for i, f in enumerate(after.findings, 1)]
@@ -270,15 +270,15 @@ def render_html(before: Analysis, after: Analysis | None = None, *, sweep: dict[
 
 def write_html(before: Analysis, after: Analysis | None = None, path: str = "shardlint-report.html",
                sweep: dict[str, Any] | None = None, *, title: str = "", root: str | None = None,
-               refused: str = "") -> str:
+               rewrite_note: str = "") -> str:
     """Writes the report to `path` and returns the path.
 
     `after` is the analysis of the rewritten step (None: a single-analysis report);
     `sweep` is {"axis": name, "points": [{"value": int, "before": Analysis,
-    "after": Analysis | None}, ...]} (see `shardlint.reports._sweep`); `refused` is why
-    the rewrite was refused, shown on the page.
+    "after": Analysis | None}, ...]} (see `shardlint.reports._sweep`); `rewrite_note`
+    says why there is no after side (the rewrite was refused, or changed nothing).
     """
-    text = render_html(before, after, sweep=sweep, title=title, root=root, refused=refused)
+    text = render_html(before, after, sweep=sweep, title=title, root=root, rewrite_note=rewrite_note)
     try:
         with open(path, "w", encoding="utf-8") as fh:
             fh.write(text)

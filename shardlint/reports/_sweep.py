@@ -74,15 +74,18 @@ def prepare_devices(mesh_spec: str, sweep_spec: str | None) -> tuple[str, tuple[
 
 
 def analyze_pair(fn: Callable, args: tuple, mesh, *, rewrite: bool = True, verify: bool = True,
-                 progress: Progress | None = None, on_refusal: Callable[[str], None] | None = None,
+                 progress: Progress | None = None, on_rewrite_note: Callable[[str], None] | None = None,
                  **rewrite_options) -> tuple[Analysis, Analysis | None]:
     """Analyzes the step, then (with `rewrite`) the rewritten step on the same arguments.
 
-    With `on_refusal`, a rewrite that is refused (`RewriteError`) is reported to it and
-    the pair comes back without an after side, instead of raising. `rewrite_options` are
-    the rewrite's `batch_axes=`, `seq_axes=` and `capacity=`.
+    With `on_rewrite_note`, a rewrite that is refused (`RewriteError`) or that changes
+    nothing is said to it in one sentence and the pair comes back without an after side
+    (there is nothing to compare), instead of raising. `rewrite_options` are the rewrite's
+    `batch_axes=`, `seq_axes=` and `capacity=`.
     """
-    from .._errors import RewriteError
+    import warnings
+
+    from .._errors import NothingToRewrite, RewriteError
     from ..analyzer import analyze
     from ..rewrites import rewrite as rewrite_step
 
@@ -90,12 +93,18 @@ def analyze_pair(fn: Callable, args: tuple, mesh, *, rewrite: bool = True, verif
     if not rewrite:
         return before, None
     try:
-        fixed = rewrite_step(fn, mesh, verify=verify, args=args, analysis=before, progress=progress,
-                             **rewrite_options)
+        with warnings.catch_warnings():
+            if on_rewrite_note is not None:   # said on the page instead
+                warnings.simplefilter("ignore", NothingToRewrite)
+            fixed = rewrite_step(fn, mesh, verify=verify, args=args, analysis=before, progress=progress,
+                                 **rewrite_options)
     except RewriteError as e:
-        if on_refusal is None:
+        if on_rewrite_note is None:
             raise
-        on_refusal(str(e))
+        on_rewrite_note(f"The rewrite was refused: {e}")
+        return before, None
+    if fixed.changed is False and on_rewrite_note is not None:
+        on_rewrite_note(f"Nothing was rewritten: {fixed.notes[-1].removeprefix('nothing to rewrite: ')}.")
         return before, None
     if progress:
         progress("analyzing the rewritten step")

@@ -18,6 +18,7 @@ import math
 import jax
 from jax.sharding import PartitionSpec as P
 
+from .. import _jax
 from ._regions import Group, Level, Plan
 from ._replay import bind_eqn, read
 from ._subjaxprs import bind_with
@@ -111,8 +112,8 @@ class _Emitter:
         # Manual over the token axes only: expert or tensor sharding of the weights stays
         # XLA's to propagate. Size-1 axes are manual too (JAX counts them as referenced).
         manual = set(token_axes) | {a for a, n in self.mesh.shape.items() if n == 1}
-        mapped = jax.shard_map(body, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs,
-                               axis_names=manual, check_vma=False)
+        mapped = _jax.shard_map(body, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs,
+                                axis_names=manual, checked=False)
         results = mapped(*[stacked[v] if v in stacked else env[v] for v in passed])
         n1, n2 = len(sharded_out), len(sharded_out) + len(summed_out)
         env.update(zip(sharded_out, results[:n1]))

@@ -21,14 +21,16 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
-from .._errors import NothingToRewrite, RewriteError
+from .. import _jax
+from .._errors import NothingToRewrite, RewriteError, ShardlintError
 from ._emit import emit
 from ._regions import plan_regions
+from ._step import JittedStep
 from ._subjaxprs import bind_with
-from ._trace import TokenAxes, trace_step
+from ._trace import TokenAxes, trace_step, user_frame_of
 
 
-class RewrittenStep:
+class RewrittenStep(JittedStep):
     """A step whose routed-expert regions run per shard; same signature and outputs."""
 
     def __init__(self, step: Callable, mesh, *, axes: TokenAxes | None = None,
@@ -52,21 +54,11 @@ class RewrittenStep:
     # The step was traced without a mesh in context, and its equations are replayed the
     # same way: an ambient mesh (the analyzer sets one) would type the replayed values
     # with the Auto mesh and clash with shard_map's manual axes.
-    def __call__(self, *args):
-        with _no_ambient_mesh():
-            return self._prepare(args)(*args)
+    def _context(self):
+        return _jax.no_ambient_mesh()
 
-    def trace(self, *args):
-        with _no_ambient_mesh():
-            return self._prepare(args).trace(*args)
-
-    def lower(self, *args):
-        with _no_ambient_mesh():
-            return self._prepare(args).lower(*args)
-
-    @property
-    def __name__(self):
-        return getattr(self.step, "__name__", "step")
+    def _staged(self, args):
+        return self._prepare(args)
 
     def _prepare(self, args):
         key = tuple((tuple(getattr(x, "shape", ())), str(getattr(x, "dtype", type(x))))
@@ -181,7 +173,7 @@ def rewrite(step: Callable, mesh, *, verify: bool = False, args: tuple | None = 
     if args is not None:
         with warnings.catch_warnings():   # said once, below, at the caller's line
             warnings.simplefilter("ignore", NothingToRewrite)
-            result.trace(*args)   # builds it: says what it rewrote, or that nothing was
+            _build_or_refuse(result, args)   # says what it rewrote, or that nothing was
         if result.changed is False:
             _warn_unchanged(result.notes[-1], stacklevel=3)
     if verify and result.changed:
@@ -189,6 +181,22 @@ def rewrite(step: Callable, mesh, *, verify: bool = False, args: tuple | None = 
             raise RewriteError("verify=True needs args= to build inputs of the real shapes")
         verify_same(step, result, args, progress=progress)
     return result
+
+
+def _build_or_refuse(result: JittedStep, args) -> None:
+    """Traces the rewritten step once; JAX's own error on the way is a RewriteError that
+    says where, never a raw traceback."""
+    try:
+        result.trace(*args)
+    except ShardlintError:
+        raise
+    except Exception as e:  # JAX refused what the rewrite emitted
+        message = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise RewriteError(
+            f"the rewritten step does not trace{user_frame_of(e.__traceback__)}: {type(e).__name__}: "
+            f"{message}. The step is left as it is; name the token axes with batch_axes=/seq_axes= "
+            "(CLI --batch-axes/--seq-axes) if the analysis chose them wrongly, or report it "
+            "with this message") from None
 
 
 def _warn_unchanged(note: str, stacklevel: int) -> None:
@@ -209,7 +217,7 @@ def _is_nnx_jit(step) -> bool:
     return callable(getattr(step, "jitted_fn", None)) and type(step).__module__.startswith("flax.")
 
 
-class NnxRewrittenStep:
+class NnxRewrittenStep(JittedStep):
     """An `nnx.jit` step whose inner jitted function is a RewrittenStep: called with the
     same modules and optimizer, it updates them in place as the original does.
 
@@ -232,25 +240,15 @@ class NnxRewrittenStep:
     def notes(self):
         return self.inner.notes
 
-    @property
-    def __name__(self):
-        return getattr(self.step, "__name__", "step")
-
     def unchanged_for(self, args, why: str) -> None:
         self.inner.why_unchanged = why
         self.trace(*args)
 
-    def __call__(self, *args):
-        with self._serving():
-            return self.step(*args)
+    def _staged(self, args):
+        return self.step
 
-    def trace(self, *args):
-        with self._serving():
-            return self.step.trace(*args)
-
-    def lower(self, *args):
-        with self._serving():
-            return self.step.lower(*args)
+    def _context(self):
+        return self._serving()
 
     @contextlib.contextmanager
     def _serving(self):
@@ -356,16 +354,3 @@ def random_like(args):
         sharding = getattr(x, "sharding", None)
         values.append(jax.device_put(v, sharding) if sharding is not None else v)
     return jax.tree_util.tree_unflatten(tree, values)
-
-
-def _no_ambient_mesh():
-    """Clears a mesh set with `jax.set_mesh` for the duration (only possible outside jit;
-    inside a caller's jit the mesh, if any, is the caller's to keep)."""
-    get = getattr(jax.sharding, "get_abstract_mesh", None)
-    set_mesh = getattr(jax, "set_mesh", None)
-    if get is None or set_mesh is None or get().empty:
-        return contextlib.nullcontext()
-    try:
-        return set_mesh(None)
-    except ValueError:
-        return contextlib.nullcontext()

@@ -1,5 +1,6 @@
 """The route for models built on `shardlint.moe`: trace the step again with every
-`RoutedMoE` call served by a `ShardedRoutedMoE` of the same config on the same parameters.
+`RoutedMoE` call served by a `ShardedRoutedMoE` of the same config on the same parameters
+(`moe._reference.served_by`, a context variable: the class is never patched).
 
 Swapping the layer before differentiation means JAX differentiates the sharded layer
 itself, so a step with `value_and_grad` inside needs nothing more. The dense strategy is
@@ -10,38 +11,29 @@ capacity would otherwise change which tokens are dropped.
 
 from __future__ import annotations
 
-import contextlib
 from typing import Callable
 
 import jax
 
 from .._errors import RewriteError
-
-
-@contextlib.contextmanager
-def _serving_routed_moe(call):
-    from ..moe import RoutedMoE
-
-    original = RoutedMoE.__call__
-    RoutedMoE.__call__ = lambda self, params, x_BSD: call(self, params, x_BSD)
-    try:
-        yield original
-    finally:
-        RoutedMoE.__call__ = original
+from ._step import JittedStep
 
 
 def uses_routed_moe(step: Callable, args) -> list:
     """The RoutedMoE configs the step calls (traced abstractly, nothing runs)."""
+    from ..moe._reference import served_by
+
     seen = []
 
     def record(layer, params, x_BSD):
         seen.append(layer.cfg)
-        return original(layer, params, x_BSD)
+        with served_by(None):
+            return layer(params, x_BSD)
 
     step = _unwrapped(step)
-    with _serving_routed_moe(record) as original:
+    with served_by(record):
         # A fresh function: eval_shape must trace again, not reuse a cached trace made
-        # before the layer was patched.
+        # before the layer was served.
         jax.eval_shape(lambda *a: step(*a), *args)
     return seen
 
@@ -55,7 +47,7 @@ def check_swappable(cfg) -> None:
             f"num_experts/top_k = {cfg.num_experts / cfg.top_k:g} so nothing drops")
 
 
-class SwappedStep:
+class SwappedStep(JittedStep):
     """`step` traced with ShardedRoutedMoE serving every RoutedMoE call."""
 
     def __init__(self, step: Callable, mesh, *, batch_axes=None, seq_axes=None):
@@ -65,12 +57,9 @@ class SwappedStep:
         self.notes = ["swapped RoutedMoE for ShardedRoutedMoE"]
         self.changed = True
 
-    @property
-    def __name__(self):
-        return getattr(self.step, "__name__", "step")
-
     def _call(self, *args):
         from ..moe import ShardedRoutedMoE
+        from ..moe._reference import served_by
 
         swapped = []
 
@@ -78,7 +67,7 @@ class SwappedStep:
             swapped.append(layer.cfg)
             return ShardedRoutedMoE(layer.cfg, self.mesh, **self.layer_kwargs)(params, x_BSD)
 
-        with _serving_routed_moe(sharded):
+        with served_by(sharded):
             out = self.step(*args)
         if not swapped:
             raise RewriteError("the step calls RoutedMoE, but tracing it again did not reach the "
@@ -87,18 +76,9 @@ class SwappedStep:
                                "or call jax.clear_caches() first")
         return out
 
-    def _jitted(self):
+    def _staged(self, args):
         # A fresh function each time, so jit never serves a trace from before the swap.
         return jax.jit(lambda *a: self._call(*a))
-
-    def __call__(self, *args):
-        return self._jitted()(*args)
-
-    def trace(self, *args):
-        return self._jitted().trace(*args)
-
-    def lower(self, *args):
-        return self._jitted().lower(*args)
 
 
 def swap_moe_layers(step: Callable, mesh, *, args=None, axes=None, progress=None):

@@ -133,7 +133,7 @@ def _traced(fn, avals, which: str):
     except Exception as e:  # the user's code, traced at shapes it was not written for
         if which == "global":
             raise
-        frame = _user_frame(e.__traceback__)
+        frame = user_frame_of(e.__traceback__)
         message = str(e).strip().splitlines()[0] if str(e).strip() else ""
         raise RewriteError(
             f"the step does not trace at one shard's shapes{frame}: {type(e).__name__}: {message}. "
@@ -143,7 +143,8 @@ def _traced(fn, avals, which: str):
             "batch_axes=/seq_axes= naming fewer axes") from None
 
 
-def _user_frame(traceback) -> str:
+def user_frame_of(traceback) -> str:
+    """` at file:line (function)` of the innermost user frame of a traceback, or ""."""
     frames = [f for f in tb.extract_tb(traceback) if not is_library_file(f.filename)
               and "/shardlint/rewrites/" not in f.filename]
     if not frames:

@@ -73,9 +73,9 @@ def make_gshard_step(mesh, capacity_factor: float = 1.0):
         capacity = max(1, int(s * TOP_K / EXPERTS * capacity_factor))
         logits_BSE = jnp.einsum("bsd,de->bse", x_BSD, params["w_gate"])
         probs_BSE = jax.nn.softmax(logits_BSE, axis=-1)
-        _, experts_BSK = jax.lax.top_k(probs_BSE, TOP_K)  # <- gshard top_k
+        _, experts_BSK = jax.lax.top_k(probs_BSE, TOP_K)
         mask_BSE = jax.nn.one_hot(experts_BSK, EXPERTS, dtype=jnp.int32).sum(2)
-        position_BSE = jnp.cumsum(mask_BSE, axis=1) - 1  # <- gshard cumsum
+        position_BSE = jnp.cumsum(mask_BSE, axis=1) - 1
         keep_BSE = (position_BSE < capacity) & (mask_BSE > 0)
         dispatch_BSEC = jax.nn.one_hot(jnp.where(keep_BSE, position_BSE, -1), capacity, dtype=x_BSD.dtype)
         combine_BSEC = dispatch_BSEC * probs_BSE[..., None]

@@ -1,0 +1,61 @@
+"""Token-sized constants a shard rebuilds at its own size.
+
+JAX hoists loop-invariant values out of a scan body (iotas over tokens, `arange(T) // K`)
+and a step's constants may be token-sized too. Inside a shard the region needs them at
+the shard's size, which the per-shard trace computed: a builder replays the per-shard
+trace's equations that make such a value from constants alone, also across a body
+boundary (a scan's hoisted constant is built in the outer jaxpr).
+"""
+
+from __future__ import annotations
+
+from .. import _jax
+from ._replay import bind_eqn, read
+
+
+class Builders:
+    """Token-sized values built from constants alone (iota, zeros, `arange(T) // K`): a
+    shard rebuilds them at its own size by replaying the per-shard trace's equations."""
+
+    def __init__(self, jaxpr, local, local_consts, producer, scaled, built_in):
+        self.eqns, self.l_eqns = jaxpr.eqns, local.eqns
+        self.producer, self.scaled, self.built_in = producer, scaled, built_in
+        self.local_consts = dict(zip(local.constvars, local_consts))
+        self.constvars = set(jaxpr.constvars)
+        self.local_constvar = dict(zip(jaxpr.constvars, local.constvars))
+        self._memo: dict = {}
+
+    def can_build(self, v) -> bool:
+        if v in self._memo:
+            return self._memo[v]
+        self._memo[v] = False
+        p = self.producer.get(v)
+        ok = v in self.built_in or v in self.constvars or (
+            p is not None and all(self.can_build(u) for u in _vars(self.eqns[p].invars)))
+        self._memo[v] = ok
+        return ok
+
+    def builder(self, v):
+        """A function of a per-body memo that returns `v` at one shard's size."""
+        if v in self.built_in:
+            return self.built_in[v]
+        if v in self.constvars:
+            value = self.local_consts[self.local_constvar[v]]
+            return lambda memo: value
+        p = self.producer[v]
+        g_eqn, l_eqn = self.eqns[p], self.l_eqns[p]
+        inputs = [None if _jax.is_literal(a) else self.builder(a) for a in g_eqn.invars]
+        position = g_eqn.outvars.index(v)
+        key = (id(self), p)
+
+        def build(memo):
+            if key not in memo:
+                invals = [read({}, la) if b is None else b(memo) for la, b in zip(l_eqn.invars, inputs)]
+                memo[key] = bind_eqn(l_eqn, invals, manual=True)
+            return memo[key][position]
+
+        return build
+
+
+def _vars(atoms):
+    return [a for a in atoms if not _jax.is_literal(a)]

@@ -1,0 +1,260 @@
+"""Grow a level's routed region from its seeds, and say which of its values hold tokens
+in per-shard order.
+
+A region starts at a reshape that merges a sequence-sharded dimension into tokens, at a
+routing op on a line where the analysis found the sharding lost, or at a per-shard value
+that arrives from another body; it grows forward through everything that reads tokens in
+per-shard order (and the per-shard values derived from them that feed back into the
+region, like group sizes), and ends where tokens are reshaped back to `(batch, seq, ...)`
+(or, with per-shard capacity, combined back into block form) or reduced away. Only the
+parts that route tokens to experts are kept.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from .. import _jax
+from .._errors import RewriteError
+from ..analyzer._detect import reshape_groups
+from ..analyzer._patterns import is_expert_batched_eqn, is_grouped_matmul_eqn, reads_expert_weights
+from ..analyzer._stack import display_path
+from . import _refusals
+from ._subjaxprs import sub_of
+from ._trace import TokenAxes, entry_axes
+
+# Routing ops that XLA's partitioner may not split along batch or sequence (it gathers
+# their inputs); where the analysis found that, they run per shard.
+ROUTING_OPS = {"top_k", "sort", "scatter", "scatter-add", "scatter_add", "gather", "cumsum",
+               "cumprod", "cummax", "cummin", "argmax", "argmin"}
+
+
+@dataclasses.dataclass
+class Grower:
+    """What the traces say about tokens, the same for every level of the step."""
+
+    axes: TokenAxes
+    specs: dict                   # Var -> PartitionSpec of values that carry tokens
+    doubly: set                   # values with a second dimension sized by the token count
+    seed_lines: frozenset         # (file, line) where the analysis found sharding lost
+    per_shard_capacity: bool
+
+    @property
+    def scaled(self) -> set:
+        return set(self.specs) | self.doubly
+
+    def region(self, eqns, producer, consumers, scrambled_in, stacked_in) -> tuple[set[int], set]:
+        """The region's equations, and the values in it that hold tokens in per-shard order
+        (flattened, or built from per-shard constants): those may not leave it."""
+        merges = {i for i, e in enumerate(eqns) if _merges_seq(e, self.specs, self.axes)}
+        routing = {i for i, e in enumerate(eqns) if self._routing_seed(e)}
+        arriving = set(scrambled_in) | set(stacked_in)
+        seeds = merges | routing
+        seeds |= {c for v in arriving for c in consumers.get(v, ()) if sub_of(eqns[c]) is None}
+        if not seeds:
+            return set(), set()
+        exits = {i for i, e in enumerate(eqns) if _splits_tokens(e, self.specs, self.axes)}
+        # Grow to a fixpoint: an equation joins when it reads tokens in per-shard order, or
+        # reads a per-shard value (group sizes, offsets) and feeds back into the region.
+        region: set[int] = set(seeds)
+        scrambled: set = set(scrambled_in)
+        # With per-shard capacity, a running total over tokens means "per shard": what it
+        # feeds stays in the region until tokens are back in block form (the combine).
+        coupling = {i for i in routing if self.per_shard_capacity
+                    and _refusals.couples_tokens(eqns[i], self.specs)}
+        changed = True
+        while changed:
+            changed = False
+            reaches = _reaches(eqns, consumers, region)
+            for i, e in enumerate(eqns):
+                ins = variables(e.invars)
+                if i not in region:
+                    per_shard = any(v not in self.scaled and (producer.get(v) in region or v in stacked_in)
+                                    for v in ins)
+                    if not (any(v in scrambled for v in ins) or (per_shard and i in reaches)):
+                        continue
+                    region.add(i)
+                    changed = True
+                if i in exits or (coupling and self._back_in_block_form(e)):
+                    continue
+                if i in merges or i in coupling or any(v in scrambled for v in ins):
+                    new = {v for v in e.outvars if v in self.scaled} - scrambled
+                    if new:
+                        scrambled |= new
+                        changed = True
+        grown = set(region)
+        pulled = _pull_in_constants(eqns, region, self.scaled, producer)
+        # Constants rebuilt per shard hold local positions (indices into the shard's
+        # block, which is what the region's ops address): they may not leave it. What
+        # was pulled in because it computes on region values follows its inputs.
+        constant: set[int] = set()
+        for i in sorted(pulled):
+            ins = variables(eqns[i].invars)
+            if all(producer.get(v) in constant or (v not in self.scaled and producer.get(v) not in grown)
+                   for v in ins):
+                constant.add(i)
+                scrambled |= {v for v in eqns[i].outvars if v in self.scaled}
+            elif any(v in scrambled for v in ins):
+                scrambled |= {v for v in eqns[i].outvars if v in self.scaled}
+        region = self._routed_only(eqns, region, producer, consumers, routing)
+        for v in arriving:
+            outside = [c for c in consumers.get(v, ()) if c not in region and sub_of(eqns[c]) is None]
+            if outside:
+                raise RewriteError(
+                    f"a per-shard value ({v.aval.str_short()}) that a routed layer saved for later "
+                    f"is read outside a routed region{_refusals.user_line(eqns[outside[0]])}; "
+                    "wrap the layer in jax.checkpoint so its backward recomputes it")
+        return region, scrambled
+
+    def _back_in_block_form(self, eqn) -> bool:
+        """Tokens sharded as the input's, computed from a per-shard-capacity value (one
+        with a dimension sized by the capacity): the combine of a capacity dispatch."""
+        return (all(v in self.specs for v in eqn.outvars)
+                and any(v in self.doubly for v in variables(eqn.invars)))
+
+    def _routing_seed(self, eqn) -> bool:
+        """A routing op where the analysis found the sharding lost (jnp's `cumsum`,
+        `argsort` and `take_along_axis` are jitted helpers: their jit equation counts)."""
+        if not self.seed_lines or not _is_routing_op(eqn):
+            return False
+        if not any(v in self.scaled for v in variables(eqn.invars)):
+            return False
+        frame = _jax.user_frame(eqn)
+        return frame is not None and (display_path(frame[0]), frame[1]) in self.seed_lines
+
+    def _routed_only(self, eqns, region, producer, consumers, routing) -> set[int]:
+        """The connected parts of the region that route tokens to experts: they hold a
+        grouped matmul or an expert-batched dot, or a routing op whose result reaches an
+        expert weight's matmul (the rest of the step, a backward included), or a routing
+        op on the same line as such a one (its transpose in the backward)."""
+        experts = {i for i, e in enumerate(eqns) if reads_expert_weights(e, eqns, producer)}
+        routed_lines = set()
+        for i in routing:
+            if _reaches_any(i, eqns, consumers, experts):
+                routed_lines.add(_jax.user_frame(eqns[i]))
+        keep = {i for i in routing if _jax.user_frame(eqns[i]) in routed_lines}
+        return _connected_parts(eqns, region, producer,
+                                lambda i: i in keep or is_grouped_matmul_eqn(eqns[i])
+                                or is_expert_batched_eqn(eqns[i], producer))
+
+
+def _merges_seq(eqn, specs, axes: TokenAxes) -> bool:
+    """A reshape folding a sequence-sharded dim together with another into one dim."""
+    if eqn.primitive.name != "reshape" or not eqn.invars or eqn.invars[0] not in specs:
+        return False
+    src = specs[eqn.invars[0]]
+    shape_in, shape_out = eqn.invars[0].aval.shape, eqn.outvars[0].aval.shape
+    for ins, outs in reshape_groups(shape_in, shape_out):
+        if len(ins) > 1 and len(outs) == 1 and any(
+                set(axes.seq) & set(entry_axes(src[d])) for d in ins if d < len(src)):
+            return True
+    return False
+
+
+def _splits_tokens(eqn, specs, axes: TokenAxes) -> bool:
+    """A reshape unfolding tokens back into separate (batch, seq) dims."""
+    if eqn.primitive.name != "reshape" or eqn.outvars[0] not in specs:
+        return False
+    out = specs[eqn.outvars[0]]
+    shape_in, shape_out = eqn.invars[0].aval.shape, eqn.outvars[0].aval.shape
+    for ins, outs in reshape_groups(shape_in, shape_out):
+        if len(ins) == 1 and len(outs) > 1 and any(
+                set(axes.seq) & set(entry_axes(out[d])) for d in outs if d < len(out)):
+            return True
+    return False
+
+
+def variables(atoms):
+    return [a for a in atoms if not _jax.is_literal(a)]
+
+
+def consumers_of(eqns) -> dict:
+    users: dict = {}
+    for i, e in enumerate(eqns):
+        for v in variables(e.invars):
+            users.setdefault(v, []).append(i)
+    return users
+
+
+def _reaches(eqns, consumers, targets: set[int]) -> set[int]:
+    """Equations with a dataflow path into `targets` (computed backwards)."""
+    reaches: set[int] = set()
+    for i in range(len(eqns) - 1, -1, -1):
+        for v in eqns[i].outvars:
+            if any(c in targets or c in reaches for c in consumers.get(v, ())):
+                reaches.add(i)
+                break
+    return reaches
+
+
+def _pull_in_constants(eqns, region, scaled, producer) -> set[int]:
+    """Token-sized values built from nothing (iota, zeros, `arange(T) // K`) join the
+    region with everything they are built from, so they are rebuilt at local size.
+    Returns the equations pulled in."""
+    memo: dict[int, bool] = {}
+    pulled: set[int] = set()
+
+    def buildable(p: int) -> bool:
+        if p not in memo:
+            memo[p] = False  # cycles cannot occur in a jaxpr; this guards the recursion
+            memo[p] = all(u not in scaled or producer.get(u) in region
+                          or (producer.get(u) is not None and buildable(producer[u]))
+                          for u in variables(eqns[p].invars))
+        return memo[p]
+
+    def pull(p: int) -> None:
+        if p in region:
+            return
+        region.add(p)
+        pulled.add(p)
+        for u in variables(eqns[p].invars):
+            if u in scaled and producer.get(u) is not None:
+                pull(producer[u])
+
+    for i in sorted(region):
+        for v in variables(eqns[i].invars):
+            p = producer.get(v)
+            if p is not None and p not in region and v in scaled and buildable(p):
+                pull(p)
+    return pulled
+
+
+def _is_routing_op(eqn) -> bool:
+    if eqn.primitive.name in ROUTING_OPS:
+        return True
+    sub = sub_of(eqn) if eqn.primitive.name in ("jit", "pjit") else None
+    return sub is not None and any(_is_routing_op(e) for e in sub.jaxpr.eqns)
+
+
+def _connected_parts(eqns, region: set[int], producer, holds) -> set[int]:
+    """The region's equations in connected parts that have an equation `holds` accepts;
+    other token flattens (a cross-entropy over flattened tokens) stay as they are."""
+    parent = {i: i for i in region}
+
+    def find(i):
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    for i in region:
+        for v in variables(eqns[i].invars):
+            p = producer.get(v)
+            if p in region:
+                parent[find(i)] = find(p)
+    routed = {find(i) for i in region if holds(i)}
+    return {i for i in region if find(i) in routed}
+
+
+def _reaches_any(start: int, eqns, consumers, targets: set[int]) -> bool:
+    seen, stack = {start}, [start]
+    while stack:
+        i = stack.pop()
+        if i in targets:
+            return True
+        for v in eqns[i].outvars:
+            for c in consumers.get(v, ()):
+                if c not in seen:
+                    seen.add(c)
+                    stack.append(c)
+    return False
