@@ -115,13 +115,21 @@ def make_step(target: str, mesh) -> tuple[Callable, tuple[Any, ...]]:
         made = factory(mesh)
     except Exception as e:
         raise UsageError(f"target {target!r} raised {type(e).__name__}: {e}") from e
-    if not (isinstance(made, tuple) and len(made) == 2 and callable(made[0])):
-        raise UsageError(f"target {target!r} must return (step_fn, args), got {type(made).__name__}")
+    if not (isinstance(made, tuple) and len(made) == 2):
+        raise UsageError(f"target {target!r} must return (step_fn, args), got {_described(made)}")
+    if not callable(made[0]):
+        raise UsageError(f"target {target!r} must return (step_fn, args): its first item must be "
+                         f"the step function, got {_described(made[0])}")
     fn, args = made
     if not isinstance(args, (tuple, list)):
         raise UsageError(f"target {target!r}: args must be a tuple of arrays or "
                          f"ShapeDtypeStructs, got {type(args).__name__}")
     return fn, tuple(args)
+
+
+def _described(value) -> str:
+    text = repr(value)
+    return f"{type(value).__name__} {text if len(text) <= 40 else text[:37] + '...'}"
 
 
 def mesh_of_args(args, target: str):

@@ -7,6 +7,7 @@ stderr, no traceback).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from ._errors import ShardlintError, UsageError
@@ -112,11 +113,34 @@ def _load(args):
     return mesh, fn, step_args
 
 
+def _writable_file(path: str, what: str) -> None:
+    """Fails now, in one line, if `path` cannot be written (before minutes of analysis)."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise UsageError(f"cannot write {what} to {path}: the folder {folder} does not exist")
+    if os.path.isdir(path):
+        raise UsageError(f"cannot write {what} to {path}: it is a folder")
+    if not os.access(folder, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        raise UsageError(f"cannot write {what} to {path}: permission denied")
+
+
+def _writable_folder(path: str, what: str) -> None:
+    """Creates `path` if missing; fails now, in one line, if it cannot be written."""
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        raise UsageError(f"cannot write {what} to {path}: {e.strerror or e}") from None
+    if not os.access(path, os.W_OK):
+        raise UsageError(f"cannot write {what} to {path}: permission denied")
+
+
 def _analyze(args) -> int:
     from .analyzer import analyze
     from .analyzer._topology import fit_of
     from .reports import format_text, write_json
 
+    if args.json:
+        _writable_file(args.json, "the analysis")
     mesh, fn, step_args = _load(args)
     if args.rewrite:
         from .rewrites import rewrite
@@ -189,6 +213,7 @@ def _report(args) -> int:
 
     if args.sweep and args.mesh is None:
         raise UsageError("--sweep needs --mesh: it re-runs the step with one mesh axis resized")
+    _writable_file(args.out, "the report")
     sweep = prepare_devices(args.mesh, args.sweep)  # before _load: the sweep may need more devices
     mesh, fn, step_args = _load(args)
     rewrite = not args.no_rewrite
@@ -235,14 +260,31 @@ def _report_fit(args, before, after) -> bool:
 def _check(args) -> int:
     from .gate import run_check
 
+    if args.update:
+        _writable_file(args.baseline, "the baseline")
     return run_check(args, load=_load, progress=_progress)
 
 
 def _demo(args) -> int:
     from .examples.demo import run_demo
 
+    _writable_folder(args.out, "the demo's report")
+
     print(run_demo(args.out, progress=_progress))
     return 0
+
+
+def _negative_values_attached(argv: list[str]) -> list[str]:
+    """`--tolerance -5%` as `--tolerance=-5%`: argparse would read `-5%` as an option."""
+    out: list[str] = []
+    it = iter(argv)
+    for a in it:
+        if a == "--tolerance":
+            value = next(it, None)
+            out.append(a if value is None else f"{a}={value}")
+        else:
+            out.append(a)
+    return out
 
 
 _COMMANDS = {"analyze": _analyze, "report": _report, "check": _check, "demo": _demo}
@@ -251,7 +293,7 @@ _COMMANDS = {"analyze": _analyze, "report": _report, "check": _check, "demo": _d
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     try:
-        args = parser.parse_args(argv)
+        args = parser.parse_args(_negative_values_attached(sys.argv[1:] if argv is None else list(argv)))
     except SystemExit as e:  # argparse already printed one line of usage
         return int(e.code or 0)
     try:

@@ -68,7 +68,11 @@ def _memory(compiled) -> Memory:
     flops = compiled.cost.get("flops")
     if stats is None:
         return Memory(0, 0, 0, 0, None, flops)
+    # XLA:CPU reports a "peak" below the temp buffers it allocates (not a per-device peak);
+    # a peak is kept only where the platform computes one that covers them (TPU).
     peak = getattr(stats, "peak_memory_in_bytes", None)
+    if peak is not None and peak < stats.temp_size_in_bytes:
+        peak = None
     return Memory(
         argument_bytes=int(stats.argument_size_in_bytes),
         output_bytes=int(stats.output_size_in_bytes),

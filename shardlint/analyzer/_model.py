@@ -127,8 +127,10 @@ class Memory:
     output_bytes: int
     temp_bytes: int
     alias_bytes: int
-    peak_bytes: int | None
-    flops: float | None
+    peak_bytes: int | None       # XLA's peak per device; None where it computes none that
+                                 # covers temp (XLA:CPU): there arguments + outputs + temp is it
+    flops: float | None          # XLA's cost analysis, per device (XLA:CPU counts ragged_dot as
+                                 # a dense dot over every expert)
 
 
 @dataclasses.dataclass(frozen=True)

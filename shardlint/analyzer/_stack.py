@@ -103,6 +103,8 @@ def is_library_file(file: str) -> bool:
     shardlint_dir, library_dirs, stdlib_dir = _installed()
     if any(path.is_relative_to(d) for d in library_dirs):
         return True
+    if path.parent == _scripts_dir():
+        return True  # a console-script launcher (the `shardlint` command itself)
     if path.is_relative_to(shardlint_dir):
         return _is_machinery(path.relative_to(shardlint_dir).parts)
     parts = path.parts
@@ -167,6 +169,11 @@ def _installed() -> tuple[PurePath, tuple[PurePath, ...], PurePath]:
     shardlint_dir = PurePath(os.path.normpath(os.path.dirname(os.path.dirname(__file__))))
     stdlib_dir = PurePath(os.path.normpath(sysconfig.get_paths()["stdlib"]))
     return shardlint_dir, tuple(dict.fromkeys(library_dirs)), stdlib_dir
+
+
+@functools.lru_cache(maxsize=1)
+def _scripts_dir() -> PurePath:
+    return PurePath(os.path.normpath(sysconfig.get_paths()["scripts"]))
 
 
 def _is_machinery(parts: tuple[str, ...]) -> bool:

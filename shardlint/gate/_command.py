@@ -44,6 +44,12 @@ def run_check(args, *, load: Callable, progress: Callable[[str], None],
     _mesh, fn, step_args = load(args)
     analysis = analyze(fn, *step_args, progress=progress)
     if not args.update:
+        if before.mesh and dict(before.mesh) != dict(analysis.mesh):
+            raise BaselineError(
+                f"the baseline {args.baseline} was recorded on mesh {mesh_text(before.mesh)}, this "
+                f"run is on {mesh_text(analysis.mesh)}: its keys hold per-device shapes, so every "
+                f"collective would read as new. Run on the baseline's mesh, or record a baseline "
+                f"for this one: {hint}")
         result = compare(analysis, before, root=root, baseline_path=args.baseline, kinds=kinds,
                          tolerance=tolerance, update_hint=hint)
         out(render(result, args.format))

@@ -99,14 +99,16 @@ def headline(before: Analysis, after: Analysis | None) -> list[dict[str, Any]]:
                 "coll": len(a.collectives), "coll_bytes": sum(c.bytes for c in a.collectives)}
 
     b, a, has = stats(before), stats(after), after is not None
-    return [
+    figures = [
         _figure("all-gathers", "all-gathers", b["ag"], a["ag"], False, has),
         _figure("all-gather-bytes", "all-gathered per device", b["ag_bytes"], a["ag_bytes"], True, has),
-        _figure("peak-bytes", "peak memory per device", b["peak"], a["peak"], True, has),
         _figure("temp-bytes", "temp memory per device", b["temp"], a["temp"], True, has),
         _figure("findings", "findings", b["findings"], a["findings"], False, has),
         _figure("collectives", "collectives (all kinds)", b["coll"], a["coll"], False, has),
     ]
+    if b["peak"] is not None or a["peak"] is not None:   # the platform computes a peak (TPU)
+        figures.insert(2, _figure("peak-bytes", "peak memory per device", b["peak"], a["peak"], True, has))
+    return figures
 
 
 def verdict(before: Analysis, after: Analysis | None) -> str:
@@ -140,8 +142,22 @@ def memory_rows(before: Analysis, after: Analysis | None) -> list[dict[str, Any]
         text, cls = _delta(b, a) if after else ("", "")
         rows.append({"name": field, "label": field.replace("_bytes", "").replace("flops", "FLOPs"),
                      "before": b, "after": a, "before_text": fmt(b), "after_text": fmt(a) if after else "",
-                     "delta": text, "delta_class": cls})
+                     "delta": text, "delta_class": cls, "note": _MEMORY_NOTES.get(field, "")})
     return rows
+
+
+# What each memory figure is, as XLA's memory and cost analyses give it.
+_MEMORY_NOTES = {
+    "argument_bytes": "inputs held by one device",
+    "output_bytes": "outputs held by one device",
+    "temp_bytes": "buffers XLA allocates for one step on one device",
+    "alias_bytes": "outputs that reuse a donated input's buffer",
+    "peak_bytes": "XLA's peak per device where the platform computes one (TPU); XLA:CPU does "
+                  "not (its figure is below temp): there arguments + outputs + temp is the budget",
+    "flops": "XLA's cost analysis per device: a gathered activation is computed whole on every "
+             "device, so keeping it sharded cuts FLOPs too; XLA:CPU counts ragged_dot as a dense "
+             "dot over every expert",
+}
 
 
 # ------------------------------------------------------------ collectives and their diff
@@ -166,7 +182,7 @@ def collective_rows(before: Analysis, after: Analysis | None, root: str) -> list
             if row is None:
                 row = groups[key] = {
                     "key": key, "anchor": anchor(key), "kind": c.kind, "axes": ",".join(c.axes) or "-",
-                    "shape": c.shape, "op_path": c.op_path, "path": normalize_op_path(c.op_path) or c.op_path,
+                    "shape": c.shape, "shape_text": shape_text(c.shape), "op_path": c.op_path, "path": normalize_op_path(c.op_path) or c.op_path,
                     "where": _frames(c, helpers, root), "cause": c.cause or "-",
                     "function": c.source.function if c.source else "", "async": False, "loop": False,
                     "b_count": 0, "b_bytes": 0, "a_count": 0, "a_bytes": 0, "ids": []}
@@ -190,6 +206,15 @@ def collective_rows(before: Analysis, after: Analysis | None, root: str) -> list
         row["count_v"] = max(row["b_count"], row["a_count"])
         row["bytes_v"] = max(row["b_bytes"], row["a_bytes"])
     return sorted(groups.values(), key=lambda r: (_STATUS_ORDER[r["status"]], -r["bytes_v"], r["key"]))
+
+
+def shape_text(shape: str, keep: int = 2) -> str:
+    """A merged collective's tuple shape, short: its first arrays and how many there are
+    (the whole shape stays in the cell's title)."""
+    parts = shape.split(", ")
+    if len(parts) <= keep + 1:
+        return shape
+    return f"{', '.join(parts[:keep])}, … ({len(parts)} arrays)"
 
 
 def diff_summary(rows: list[dict[str, Any]]) -> dict[str, dict[str, int]]:
@@ -240,8 +265,10 @@ def sweep_view(sweep: dict[str, Any]) -> dict[str, Any]:
     rows = [{"value": p["value"], "mesh": p["before"].mesh, "before": p["before"], "after": p["after"],
              "ideal_before": ideal["before"].get(p["value"]),
              "ideal_after": ideal.get("after", {}).get(p["value"])} for p in points]
+    has_peak = any(a is not None and a.memory.peak_bytes is not None
+                   for p in points for a in (p["before"], p["after"]))
     return {"axis": sweep["axis"], "chart": memory_chart_svg(sweep["axis"], series), "rows": rows,
-            "has_after": "after" in series}
+            "has_after": "after" in series, "has_peak": has_peak}
 
 
 # ------------------------------------------------------------------------------ page

@@ -77,8 +77,13 @@ class SwappedStep(JittedStep):
         return out
 
     def _staged(self, args):
-        # A fresh function each time, so jit never serves a trace from before the swap.
-        return jax.jit(lambda *a: self._call(*a))
+        # A fresh function each time, so jit never serves a trace from before the swap;
+        # named as the step, so op paths read `jit(step)/...` before and after alike.
+        def swapped_step(*a):
+            return self._call(*a)
+
+        swapped_step.__name__ = self.__name__
+        return jax.jit(swapped_step)
 
 
 def swap_moe_layers(step: Callable, mesh, *, args=None, axes=None, progress=None):

@@ -103,6 +103,17 @@ def test_user_stack_keeps_model_code_and_drops_machinery():
     assert kept == (_frame(_routing), user, _frame(steps), stack[12])
 
 
+def test_the_console_script_launcher_is_not_a_user_frame():
+    # `shardlint analyze ...` runs through the launcher in the environment's scripts
+    # folder: outermost on every stack, it must not be shown as the user's line.
+    import os
+    import sysconfig
+
+    launcher = SourceLocation(os.path.join(sysconfig.get_paths()["scripts"], "shardlint"), 8)
+    user = SourceLocation("/home/me/model.py", 12)
+    assert user_stack((user, launcher)) == (user,)
+
+
 def test_an_all_library_stack_keeps_its_innermost_frame():
     stack = (_frame(jnp, 7), _frame(contextlib, 9))
     assert user_stack(stack) == stack[:1]

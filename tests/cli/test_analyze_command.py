@@ -131,3 +131,36 @@ def test_devices_calls_the_target_with_no_mesh_and_reports_its_own(tmp_path, run
 def test_devices_usage_errors(argv, message, capsys):
     assert main(["analyze", TARGET, *argv]) == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, what", [
+    (["analyze", TARGET, "--mesh", "data=2,context=4", "--json", "{missing}/after.json"], "the analysis"),
+    (["report", TARGET, "--mesh", "data=2,context=4", "--out", "{missing}/report.html"], "the report"),
+    (["check", TARGET, "--mesh", "data=2,context=4", "--update", "--baseline", "{missing}/b.json"], "the baseline"),
+    (["demo", "--out", "{file}/demo"], "the demo's report"),
+])
+def test_unwritable_outputs_fail_first_in_one_line(argv, what, capsys, tmp_path):
+    a_file = tmp_path / "a-file"
+    a_file.write_text("")
+    argv = [a.format(missing=tmp_path / "missing", file=a_file) for a in argv]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"shardlint: error: cannot write {what} to ")
+
+
+def test_target_returning_the_wrong_shape_says_what_it_got(tmp_path, capsys):
+    (tmp_path / "shapes.py").write_text(textwrap.dedent("""
+        from shardlint.examples import steps
+
+        def named_step(mesh):
+            fn, args = steps.make_step(mesh)
+            return "step", args
+
+        def just_args(mesh):
+            return steps.make_step(mesh)[1][0]
+    """))
+    assert main(["analyze", f"{tmp_path}/shapes.py:named_step", "--mesh", "data=2,context=4"]) == 2
+    err = capsys.readouterr().err
+    assert "its first item must be the step function, got str 'step'" in err
+    assert main(["analyze", f"{tmp_path}/shapes.py:just_args", "--mesh", "data=2,context=4"]) == 2
+    assert "must return (step_fn, args), got dict {" in capsys.readouterr().err

@@ -85,12 +85,25 @@ def test_corrupted_or_foreign_baseline_exits_2(tmp_path, capsys, content):
 
 
 @pytest.mark.parametrize("extra, says", [(["--kinds", "all-gathr"], "--kinds"),
-                                         (["--tolerance", "lots"], "--tolerance")])
+                                         (["--tolerance", "lots"], "--tolerance"),
+                                         # With a space argparse would take -5% for an option.
+                                         (["--tolerance", "-5%"], "give a percentage >= 0")])
 def test_bad_options_exit_2(tmp_path, capsys, extra, says):
     assert _check(LOSSY, tmp_path / "b.json", *extra) == 2
-    assert says in capsys.readouterr().err
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and says in err[0] and "usage:" not in err[0]
 
 
 def test_unknown_format_is_a_usage_error(tmp_path, capsys):
     assert _check(LOSSY, tmp_path / "b.json", "--format", "xml") == 2
     assert "--format" in capsys.readouterr().err
+
+
+def test_a_baseline_from_another_mesh_fails_with_the_way_out(per_shard_baseline, capsys):
+    capsys.readouterr()
+    code = main(["check", PER_SHARD, "--mesh", "data=4,context=2", "--baseline", str(per_shard_baseline),
+                 "--root", ROOT])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert code == 2
+    assert f"recorded on mesh {MESH}, this run is on data=4,context=2" in err
+    assert "--update" in err and "data=4,context=2" in err.split("record a baseline for this one:")[1]
