@@ -44,14 +44,15 @@ def simulate_devices(count: int) -> None:
 
     flags = os.environ.get("XLA_FLAGS", "")
     m = re.search(r"--xla_force_host_platform_device_count=(\d+)", flags)
-    if m:
-        if int(m.group(1)) < count:
-            raise UsageError(f"XLA_FLAGS asks for {m.group(1)} CPU devices but the mesh needs "
-                             f"{count}; unset --xla_force_host_platform_device_count")
-        return
+    if m and int(m.group(1)) < count:
+        raise UsageError(f"XLA_FLAGS asks for {m.group(1)} CPU devices but the mesh needs "
+                         f"{count}; unset --xla_force_host_platform_device_count")
     try:
+        # CPU only: with libtpu installed (shardlint[tpu]) JAX would otherwise start its TPU
+        # client too, and libtpu prints its start-up errors on every command.
         jax.config.update("jax_platforms", "cpu")
-        jax.config.update("jax_num_cpu_devices", count)
+        if not m:
+            jax.config.update("jax_num_cpu_devices", count)
     except RuntimeError as e:  # backend already started (the user's module touched devices)
         if len(jax.devices()) < count:
             raise UsageError(f"JAX started with {len(jax.devices())} devices before shardlint "

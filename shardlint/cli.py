@@ -46,6 +46,9 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("analyze", help="analyze a step: findings, collectives, memory")
     _add_target(p)
     p.add_argument("--json", metavar="FILE", help="write the analysis (shardlint.analysis/2)")
+    p.add_argument("--by-scope", action="store_true",
+                   help="also print the collectives rolled up by named scope / module path, "
+                        "forward and backward apart")
     p.add_argument("--rewrite", action="store_true",
                    help="analyze the step after putting the sharding-preserving MoE in place")
     _add_rewrite_options(p)
@@ -137,7 +140,7 @@ def _writable_folder(path: str, what: str) -> None:
 def _analyze(args) -> int:
     from .analyzer import analyze
     from .analyzer._topology import fit_of
-    from .reports import format_text, write_json
+    from .reports import format_scopes, format_text, write_json
 
     if args.json:
         _writable_file(args.json, "the analysis")
@@ -151,6 +154,9 @@ def _analyze(args) -> int:
     fit = fit_of(analysis, args.hbm_gib)
     print(format_text(analysis, title=args.target + (" (rewritten)" if args.rewrite else ""),
                       fit=fit))
+    if args.by_scope:
+        print()
+        print(format_scopes(analysis))
     if args.json:
         write_json(analysis, args.json)
         _progress(f"wrote {args.json}")

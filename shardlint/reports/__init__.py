@@ -1,5 +1,6 @@
 """Reports: the terminal summary, the JSON document and the HTML report."""
 
+from ._text import format_scopes as format_scopes
 from ._text import format_text as format_text
 from ._text import human_bytes as human_bytes
 from ._text import write_json as write_json

@@ -27,10 +27,11 @@ import jinja2
 from markupsafe import Markup
 
 from .._errors import UsageError
-from ..analyzer import Analysis, Collective, Finding, Source
+from ..analyzer import Analysis, Collective, Finding, Source, scope_tree
 # shardlint.gate's own key function; imported from its module because shardlint.gate
 # imports shardlint.reports (human_bytes), and a package-level import would be circular.
-from ..gate._keys import collective_key, normalize_op_path, relative_source
+from ..analyzer._op_paths import normalize_op_path
+from ..gate._keys import collective_key, relative_source
 from ._svg import ideal_line, memory_chart_svg, neighbourhood_svg
 from ._sweep import check_sweep, sweep_summary
 from ._frames import helper_frames, shown_frames
@@ -284,6 +285,7 @@ def render_html(before: Analysis, after: Analysis | None = None, *, sweep: dict[
            "sweep": sweep_summary(sweep) if sweep else None}
     return _environment().get_template("report.html").render(
         title=title, before=before, after=after, headline=headline(before, after), rewrite_note=rewrite_note,
+        scopes=scope_tree(before), after_scopes=scope_tree(after) if after else None,
         verdict=verdict(before, after), memory=memory_rows(before, after),
         findings=[finding_view(f, i, before, root) for i, f in enumerate(before.findings, 1)],
         after_findings=[finding_view(f, i, after, root) for i, f in enumerate(after.findings, 1)]

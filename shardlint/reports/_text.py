@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 
-from ..analyzer import Analysis
+from ..analyzer import Analysis, scope_tree
 from ..analyzer._model import DROPPED, REMATERIALIZED, UNSPLIT
 from ._frames import frames_text, helper_frames
 
@@ -121,6 +121,25 @@ def where(source) -> str:
 
 def _clip(text: str, n: int) -> str:
     return text if len(text) <= n else text[: n - 1] + "…"
+
+
+def format_scopes(analysis: Analysis, max_depth: int = 4) -> str:
+    """The collectives rolled up by scope (`analyzer.scope_tree`): one line per scope, its
+    forward and backward counts and bytes per device per step, sub-scopes indented."""
+    tree = scope_tree(analysis)
+    rows = [(node, depth) for node, depth in tree.walk() if depth <= max_depth and node.total.count]
+    width = max((2 * depth + len(node.name) for node, depth in rows), default=5)
+    lines = ["collectives by scope (per device, per step; a scope includes its sub-scopes):",
+             f"  {'scope':<{width}}  {'forward':>18}  {'backward':>18}  kinds"]
+    for node, depth in rows:
+        kinds = ", ".join(f"{kind} {t.count}" for kind, t in node.kinds)
+        lines.append(f"  {'  ' * depth + node.name:<{width}}  {_traffic(node.forward):>18}  "
+                     f"{_traffic(node.backward):>18}  {kinds}")
+    return "\n".join(lines)
+
+
+def _traffic(t) -> str:
+    return f"{t.count} / {human_bytes(t.bytes)}" if t.count else "-"
 
 
 def write_json(analysis: Analysis, path: str) -> None:

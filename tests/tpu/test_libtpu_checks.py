@@ -151,3 +151,22 @@ def test_hbm_table_and_bad_limit():
     mem = Memory(1, 1, 1, 0, None, None)
     with pytest.raises(topo.TopologyError, match="--hbm-gib must be > 0"):
         topo.fit_of(_analysis(mem, None), 0)
+
+
+@pytest.mark.tpu
+@pytest.mark.parametrize("xla_flags", ["", "--xla_force_host_platform_device_count=8"])
+def test_cpu_commands_print_nothing_from_libtpu(xla_flags):
+    # With shardlint[tpu] installed, a CPU command must not start the TPU client: libtpu
+    # would print its start-up errors ("Failed to find host bounds", "unexpected worker
+    # hostname") on every run. Also when the device count comes from XLA_FLAGS.
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    if xla_flags:
+        env["XLA_FLAGS"] = xla_flags
+    proc = subprocess.run([sys.executable, "-m", "shardlint.cli", "analyze", "shardlint.examples.steps:make_step",
+                           "--mesh", "data=2,context=4"], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 1, proc.stderr[-2000:]   # the example's findings
+    assert [line for line in proc.stderr.splitlines() if not line.startswith("shardlint: ")] == []
