@@ -30,7 +30,7 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=512)
     args = parser.parse_args()
 
-    from shardlint._target import build_mesh, parse_mesh_spec, simulate_devices
+    from shardlint.commands._targets import build_mesh, parse_mesh_spec, simulate_devices
 
     axes = parse_mesh_spec(args.mesh)
     simulate_devices(math.prod(axes.values()))

@@ -72,7 +72,7 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("check", help="fail (exit 1) when the step gains an all-gather that "
                                      "the baseline lacks; --update records the baseline")
     _add_target(p)
-    p.add_argument("--baseline", metavar="FILE", default="shardlint.baseline.json",
+    p.add_argument("--baseline", metavar="FILE", default="shardlint.baseline.json",  # gate.DEFAULT_BASELINE
                    help="the baseline (shardlint.baseline/2; default: shardlint.baseline.json)")
     p.add_argument("--update", action="store_true",
                    help="record the current collectives as the baseline instead of checking")
@@ -90,7 +90,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _load(args):
-    from ._target import (build_mesh, build_topology_mesh, check_mesh, make_step, mesh_of_args,
+    from .commands._targets import (build_mesh, build_topology_mesh, check_mesh, make_step, mesh_of_args,
                           parse_mesh_spec, simulate_devices)
 
     if args.devices is not None:
@@ -139,7 +139,7 @@ def _writable_folder(path: str, what: str) -> None:
 
 def _analyze(args) -> int:
     from .analyzer import analyze
-    from .analyzer._topology import fit_of
+    from .analyzer._fit import fit_of
     from .reports import format_scopes, format_text, write_json
 
     if args.json:
@@ -215,7 +215,8 @@ def _can_run(args, rewriting: bool) -> bool:
 
 
 def _report(args) -> int:
-    from .reports import analyze_pair, prepare_devices, run_sweep, write_html
+    from .commands import analyze_pair, prepare_devices, run_sweep
+    from .reports import write_html
 
     if args.sweep and args.mesh is None:
         raise UsageError("--sweep needs --mesh: it re-runs the step with one mesh axis resized")
@@ -246,14 +247,14 @@ def _topology_meshes(args):
     """With --topology, sweep points are meshes over the same TPU topology."""
     if not args.topology:
         return None
-    from ._target import build_topology_mesh
+    from .commands._targets import build_topology_mesh
 
     return lambda axes: build_topology_mesh(axes, args.topology)
 
 
 def _report_fit(args, before, after) -> bool:
     """Prints the memory fit of each side; False when the step as reported would not fit."""
-    from .analyzer._topology import fit_of
+    from .analyzer._fit import fit_of
 
     for label, analysis in (("step", before), ("rewritten step", after)):
         fit = fit_of(analysis, args.hbm_gib) if analysis is not None else None
@@ -264,7 +265,7 @@ def _report_fit(args, before, after) -> bool:
 
 
 def _check(args) -> int:
-    from .gate import run_check
+    from .commands import run_check
 
     if args.update:
         _writable_file(args.baseline, "the baseline")
@@ -272,7 +273,7 @@ def _check(args) -> int:
 
 
 def _demo(args) -> int:
-    from .examples.demo import run_demo
+    from .commands import run_demo
 
     _writable_folder(args.out, "the demo's report")
 

@@ -8,8 +8,7 @@ from ._baseline import baseline_of as baseline_of
 from ._baseline import dumps as dumps
 from ._baseline import read_baseline as read_baseline
 from ._baseline import write_baseline as write_baseline
-from ._command import DEFAULT_BASELINE as DEFAULT_BASELINE
-from ._command import run_check as run_check
+from ._baseline import DEFAULT_BASELINE as DEFAULT_BASELINE
 from ._compare import DEFAULT_KINDS as DEFAULT_KINDS
 from ._compare import Change as Change
 from ._compare import CheckResult as CheckResult
@@ -27,6 +26,6 @@ from ._gate import default_root as default_root
 from ._keys import collective_key as collective_key
 from ._keys import key_parts as key_parts
 from ..analyzer._op_paths import normalize_op_path as normalize_op_path
-from ._keys import relative_source as relative_source
+from .._format import relative_source as relative_source
 from ._keys import split_key as split_key
 from ._sarif import sarif_json as sarif_json

@@ -23,6 +23,7 @@ from ..analyzer import Analysis, Collective
 from ._keys import collective_key, key_parts
 
 SCHEMA = "shardlint.baseline/2"
+DEFAULT_BASELINE = "shardlint.baseline.json"   # where `shardlint check` reads and writes it
 
 
 class BaselineError(ShardlintError):

@@ -18,7 +18,8 @@ from .._errors import UsageError
 from ..analyzer import Analysis, Collective, Finding
 from ..analyzer._collectives import KINDS
 from ._baseline import Baseline, Entry, entry_of, group_by_key
-from ._keys import relative_source, split_key
+from .._format import relative_source
+from ._keys import split_key
 
 DEFAULT_KINDS = ("all-gather",)
 NEW, GROWN, GONE, SHRUNK = "new", "grown", "gone", "shrunk"

@@ -12,27 +12,12 @@ Op paths are read by `analyzer._op_paths` (`normalize_op_path`, for display).
 
 from __future__ import annotations
 
-import os
 
 from ..analyzer import Collective
+from .._format import relative_source
 from ..analyzer._collectives import primitive_of
 
 SEPARATOR = " | "
-
-
-def relative_source(file: str, root: str) -> str:
-    if not file:
-        return ""
-    if not os.path.isabs(file):  # the analysis already made it relative to cwd or sys.path
-        return file.replace(os.sep, "/")
-    absolute = os.path.abspath(file)
-    root = os.path.abspath(root)
-    if absolute == root or absolute.startswith(root + os.sep):
-        return os.path.relpath(absolute, root).replace(os.sep, "/")
-    marker = f"site-packages{os.sep}"
-    if marker in absolute:
-        return absolute.split(marker, 1)[1].replace(os.sep, "/")
-    return os.path.basename(absolute)
 
 
 def key_parts(collective: Collective, root: str = ".") -> tuple[str, str, str, str, str]:

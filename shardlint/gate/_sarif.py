@@ -12,7 +12,7 @@ import hashlib
 import pathlib
 
 from ._compare import GONE, GROWN, NEW, SHRUNK, Change, CheckResult
-from ._formats import explanation, headline
+from ._wording import explanation, headline
 
 SARIF_SCHEMA = "https://json.schemastore.org/sarif-2.1.0.json"
 SARIF_VERSION = "2.1.0"

@@ -2,12 +2,8 @@
 
 from ._text import format_scopes as format_scopes
 from ._text import format_text as format_text
-from ._text import human_bytes as human_bytes
+from .._format import human_bytes as human_bytes
 from ._text import write_json as write_json
 from ._html import REPORT_SCHEMA as REPORT_SCHEMA
 from ._html import render_html as render_html
 from ._html import write_html as write_html
-from ._sweep import analyze_pair as analyze_pair
-from ._sweep import parse_sweep_spec as parse_sweep_spec
-from ._sweep import prepare_devices as prepare_devices
-from ._sweep import run_sweep as run_sweep

@@ -27,15 +27,13 @@ import jinja2
 from markupsafe import Markup
 
 from .._errors import UsageError
+from .._format import human_bytes, source_text
 from ..analyzer import Analysis, Collective, Finding, Source, scope_tree
-# shardlint.gate's own key function; imported from its module because shardlint.gate
-# imports shardlint.reports (human_bytes), and a package-level import would be circular.
 from ..analyzer._op_paths import normalize_op_path
-from ..gate._keys import collective_key, relative_source
+from ..gate._keys import collective_key
 from ._svg import ideal_line, memory_chart_svg, neighbourhood_svg
 from ._sweep import check_sweep, sweep_summary
 from ._frames import helper_frames, shown_frames
-from ._text import human_bytes
 
 REPORT_SCHEMA = "shardlint.report/1"
 _TEMPLATES = Path(__file__).with_name("templates")
@@ -163,13 +161,9 @@ _MEMORY_NOTES = {
 
 # ------------------------------------------------------------ collectives and their diff
 
-def _where(source: Source | None, root: str) -> str:
-    return f"{relative_source(source.file, root)}:{source.line}" if source else ""
-
-
 def _frames(record, helpers, root: str) -> str:
     shown = shown_frames(record.stack, helpers, record.source)
-    return " via ".join(_where(f, root) for f in shown)
+    return " via ".join(source_text(f, root) for f in shown)
 
 
 def collective_rows(before: Analysis, after: Analysis | None, root: str) -> list[dict[str, Any]]:
@@ -293,7 +287,7 @@ def render_html(before: Analysis, after: Analysis | None = None, *, sweep: dict[
         requested=before.requested,
         rows=rows, kinds=sorted({r["kind"] for r in rows}), diff=diff_summary(rows),
         sweep=sweep_view(sweep) if sweep and sweep["points"] else None,
-        where=lambda s: _where(s, root), data=script_json(doc),
+        where=lambda s: source_text(s, root) if s else "", data=script_json(doc),
         css=_asset("report.css"), js=_asset("report.js"))
 
 

@@ -16,7 +16,7 @@ import networkx as nx
 from markupsafe import Markup, escape
 
 from ..analyzer import Neighbourhood
-from ._text import human_bytes
+from .._format import clip, human_bytes
 
 # Node box geometry (px) for the neighbourhood drawing.
 _NODE_W, _NODE_H, _LAYER_GAP, _ROW_GAP, _PAD = 184, 48, 44, 12, 10
@@ -69,10 +69,6 @@ def layout_neighbourhood(nb: Neighbourhood) -> dict[str, tuple[int, int]]:
             layers[depth].sort(key=centre)
             order.update({n: i for i, n in enumerate(layers[depth])})
     return {n: (layer[n], order[n]) for n in ids}
-
-
-def _clip(text: str, n: int = _CHARS) -> str:
-    return text if len(text) <= n else text[: n - 1] + "…"
 
 
 def _trim(nb: Neighbourhood) -> Neighbourhood:
@@ -136,9 +132,9 @@ def neighbourhood_svg(nb: Neighbourhood | None, lost_axes: tuple[str, ...] = ())
             f'<g class="node {state}" data-node="{escape(node.id)}" data-op="{escape(node.op)}">'
             f"<title>{escape(tip)}</title>"
             f'<rect x="{x}" y="{y}" width="{_NODE_W}" height="{_NODE_H}" rx="6"/>'
-            f'<text x="{x + 8}" y="{y + 18}" class="op">{escape(_clip(node.op, 16))}'
-            f'<tspan class="id" dx="6">{escape(_clip(node.id, _CHARS - 2 - min(len(node.op), 16)))}</tspan></text>'
-            f'<text x="{x + 8}" y="{y + 36}" class="shape">{escape(_clip(node.shape))}</text></g>')
+            f'<text x="{x + 8}" y="{y + 18}" class="op">{escape(clip(node.op, 16))}'
+            f'<tspan class="id" dx="6">{escape(clip(node.id, _CHARS - 2 - min(len(node.op), 16)))}</tspan></text>'
+            f'<text x="{x + 8}" y="{y + 36}" class="shape">{escape(clip(node.shape, _CHARS))}</text></g>')
     out.append("</svg>")
     return Markup("".join(out))
 

@@ -3,25 +3,15 @@
 from __future__ import annotations
 
 import json
-import os
 
+from .._format import clip, human_bytes
 from ..analyzer import Analysis, scope_tree
 from ..analyzer._model import DROPPED, REMATERIALIZED, UNSPLIT
 from ._frames import frames_text, helper_frames
 
 
-def human_bytes(n: float | None) -> str:
-    if n is None:
-        return "-"
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    return f"{n:.2f} TiB"
-
-
 def format_text(analysis: Analysis, title: str = "", fit=None) -> str:
-    """`fit`: the memory check against HBM (`analyzer._topology.fit_of`), printed last."""
+    """`fit`: the memory check against HBM (`analyzer._fit.fit_of`), printed last."""
     helpers = helper_frames(analysis)
 
     def at(record) -> str:
@@ -56,8 +46,8 @@ def format_text(analysis: Analysis, title: str = "", fit=None) -> str:
         rows = [("kind", "cause", "axes", "moved/dev", "shape", "source", "op path")]
         for c in sorted(analysis.collectives, key=lambda c: (-c.step_bytes, c.id)):
             rows.append((c.kind + (" (async)" if c.is_async else ""), c.cause or "-", ",".join(c.axes),
-                         human_bytes(c.step_bytes) + _trips(c), _clip(c.shape, 36), at(c),
-                         _clip(c.op_path, 60)))
+                         human_bytes(c.step_bytes) + _trips(c), clip(c.shape, 36), at(c),
+                         clip(c.op_path, 60)))
         n = len(rows[0]) - 1
         widths = [max(len(r[i]) for r in rows) for i in range(n)]
         for r in rows:
@@ -106,21 +96,6 @@ def _loop_note(analysis: Analysis, ids) -> str:
     if len(trips) == 1 and None not in trips:
         return f", x{trips.pop()} iterations"
     return ", in a loop of unknown trip count" if None in trips else ""
-
-
-def where(source) -> str:
-    """`file:line`, relative to the working directory when the file is under it."""
-    if source is None:
-        return "-"
-    path = source.file
-    if os.path.isabs(path):
-        rel = os.path.relpath(path)
-        path = rel if not rel.startswith("..") else path
-    return f"{path}:{source.line}"
-
-
-def _clip(text: str, n: int) -> str:
-    return text if len(text) <= n else text[: n - 1] + "…"
 
 
 def format_scopes(analysis: Analysis, max_depth: int = 4) -> str:

@@ -66,7 +66,7 @@ class _Figures(HTMLParser):
 
 @pytest.mark.slow
 def test_demo_outputs_agree(tmp_path):
-    from shardlint.examples.demo import run_demo
+    from shardlint.commands import run_demo
 
     summary = run_demo(str(tmp_path), progress=lambda message: None)
     before = shardlint.Analysis.from_json(json.loads((tmp_path / "before.json").read_text()))

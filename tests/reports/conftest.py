@@ -16,7 +16,7 @@ import pytest
 
 from shardlint import analyze
 from shardlint.analyzer import Analysis, Collective, Source
-from shardlint._target import build_mesh
+from shardlint.commands._targets import build_mesh
 from shardlint.examples import steps
 
 MESH = {"data": 2, "context": 4}

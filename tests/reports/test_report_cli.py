@@ -12,7 +12,7 @@ import pytest
 
 from shardlint import UsageError
 from shardlint.cli import main
-from shardlint.reports._sweep import device_count, parse_sweep_spec, sweep_meshes
+from shardlint.commands._sweep import device_count, parse_sweep_spec, sweep_meshes
 
 TARGET = "shardlint.examples.steps:make_step"
 

@@ -9,6 +9,7 @@ import importlib.metadata
 import pytest
 
 from shardlint.analyzer import Analysis, Memory
+from shardlint.analyzer import _fit as fitting
 from shardlint.analyzer import _topology as topo
 from shardlint.cli import main
 
@@ -123,34 +124,34 @@ GIB = 2 ** 30
 def test_fit_defaults_to_the_chips_hbm():
     mem = Memory(argument_bytes=10 * GIB, output_bytes=2 * GIB, temp_bytes=5 * GIB,
                  alias_bytes=0, peak_bytes=None, flops=None)
-    fit = topo.fit_of(_analysis(mem, "v5e:2x2"))
+    fit = fitting.fit_of(_analysis(mem, "v5e:2x2"))
     assert not fit.fits and fit.need_bytes == 17 * GIB and fit.limit_bytes == 16 * GIB
     assert fit.line() == ("would not fit: needs 17.00 GiB per device > 16.00 GiB (v5e HBM per "
                           "chip): arguments 10.00 GiB + outputs 2.00 GiB + temp 5.00 GiB = 17.00 GiB")
-    assert topo.fit_of(_analysis(mem, "v5p:2x2x1")).fits  # 95 GiB
-    assert topo.fit_of(_analysis(mem, None)) is None      # CPU, no limit given
-    assert not topo.fit_of(_analysis(mem, None), 16).fits
+    assert fitting.fit_of(_analysis(mem, "v5p:2x2x1")).fits  # 95 GiB
+    assert fitting.fit_of(_analysis(mem, None)) is None      # CPU, no limit given
+    assert not fitting.fit_of(_analysis(mem, None), 16).fits
 
 
 def test_fit_counts_aliased_outputs_once_and_takes_the_peak_when_larger():
     donated = Memory(argument_bytes=8 * GIB, output_bytes=8 * GIB, temp_bytes=1 * GIB,
                      alias_bytes=8 * GIB, peak_bytes=None, flops=None)
-    fit = topo.fit_of(_analysis(donated, "v5e:2x2"))
+    fit = fitting.fit_of(_analysis(donated, "v5e:2x2"))
     assert fit.fits and fit.need_bytes == 9 * GIB and "- aliased 8.00 GiB" in fit.line()
     # v4/v5e report temporaries only in the peak.
     peaky = Memory(argument_bytes=GIB, output_bytes=GIB, temp_bytes=0, alias_bytes=0,
                    peak_bytes=20 * GIB, flops=None)
-    fit = topo.fit_of(_analysis(peaky, "v4:2x2x1"))
+    fit = fitting.fit_of(_analysis(peaky, "v4:2x2x1"))
     assert fit.need_bytes == 20 * GIB and "compiler's peak 20.00 GiB" in fit.line()
     assert fit.fits  # v4: 32 GiB
 
 
 def test_hbm_table_and_bad_limit():
-    assert [topo.hbm_gib(t) for t in ("v4:2x2x1", "v5e:2x2", "v5p:2x2x1", "v6e:2x2", "v9:1x1")] \
+    assert [fitting.hbm_gib(t) for t in ("v4:2x2x1", "v5e:2x2", "v5p:2x2x1", "v6e:2x2", "v9:1x1")] \
         == [32, 16, 95, 32, None]
     mem = Memory(1, 1, 1, 0, None, None)
     with pytest.raises(topo.TopologyError, match="--hbm-gib must be > 0"):
-        topo.fit_of(_analysis(mem, None), 0)
+        fitting.fit_of(_analysis(mem, None), 0)
 
 
 @pytest.mark.tpu

@@ -152,8 +152,8 @@ def test_report_sweeps_the_context_degree_on_the_topology(tmp_path, capsys):
 
 
 def test_sweep_points_are_compiled_for_the_topology():
-    from shardlint._target import build_topology_mesh
-    from shardlint.reports import run_sweep
+    from shardlint.commands import run_sweep
+    from shardlint.commands._targets import build_topology_mesh
 
     sweep = run_sweep("shardlint.examples.steps:make_per_shard_step", {"data": 1, "context": 2},
                       ("context", (1, 2)), rewrite=False,

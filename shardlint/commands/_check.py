@@ -1,5 +1,6 @@
-"""`shardlint check`: the command-line face of the gate, kept out of cli.py so that the CLI
-stays wiring only.
+"""`shardlint check`: the command-line face of the gate. The gate package is a library
+(keys, baselines, the comparison, its formats); reading the command's options, loading the
+target and deciding the exit code happen here, in the commands layer.
 
 Order matters for speed and for clear errors: options and the baseline are validated
 before the step is traced and compiled. Everything the command prints for a machine
@@ -12,13 +13,11 @@ import os
 import shlex
 from typing import Callable
 
-from ._baseline import BaselineError, read_baseline
-from ._compare import compare, mesh_text, parse_kinds, parse_tolerance
-from ._formats import headline, render
-from ._gate import BaselineRef, default_root, record
-
-DEFAULT_BASELINE = "shardlint.baseline.json"
-
+from ..gate._baseline import BaselineError, read_baseline
+from ..gate._compare import compare, mesh_text, parse_kinds, parse_tolerance
+from ..gate._formats import render
+from ..gate._gate import BaselineRef, default_root, record
+from ..gate._wording import headline
 
 def update_command(target: str, mesh: str | None, baseline: str, root: str | None = None,
                    devices: int | None = None) -> str:

@@ -18,9 +18,10 @@ SWEEP = "context=1,2,4"
 
 def run_demo(out_dir: str, progress: Callable[[str], None]) -> str:
     """Runs the demo into `out_dir`; returns the summary text."""
-    from .._target import build_mesh, check_mesh, make_step, parse_mesh_spec
-    from ..reports import analyze_pair, prepare_devices, run_sweep, write_html, write_json
-    from ..reports._text import human_bytes
+    from ..reports import write_html, write_json
+    from ._sweep import analyze_pair, prepare_devices, run_sweep
+    from ._targets import build_mesh, check_mesh, make_step, parse_mesh_spec
+    from .._format import human_bytes
 
     sweep = prepare_devices(MESH, SWEEP)
     axes = parse_mesh_spec(MESH)
