@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import math
 import re
+import warnings
 from typing import Any, Callable
 
-from .._errors import ShardlintError, UsageError
+from .._errors import NothingToRewrite, ShardlintError, UsageError
 from ..analyzer import Analysis
 
 Progress = Callable[[str], None]
@@ -131,8 +132,10 @@ def run_sweep(target: str, mesh: dict[str, int], sweep: tuple[str, tuple[int, ..
                 sweep_mesh = build_mesh(axes)
                 fn, args = make_step(target, sweep_mesh)
                 check_mesh(args, sweep_mesh)
-                before, after = analyze_pair(fn, args, sweep_mesh, rewrite=rewrite, verify=False,
-                                             progress=progress)
+                with warnings.catch_warnings():   # a point may have nothing to rewrite (context 1)
+                    warnings.simplefilter("ignore", NothingToRewrite)
+                    before, after = analyze_pair(fn, args, sweep_mesh, rewrite=rewrite, verify=False,
+                                                 progress=progress)
             except ShardlintError as e:
                 raise type(e)(f"--sweep {axis}={value}: {e}") from e
         points.append({"value": value, "before": before, "after": after})
