@@ -13,6 +13,7 @@ parts that route tokens to experts are kept.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 from .. import _jax
 from .._errors import RewriteError
@@ -39,8 +40,9 @@ class Grower:
     seed_lines: frozenset         # (file, line) where the analysis found sharding lost
     per_shard_capacity: bool
 
-    @property
+    @functools.cached_property
     def scaled(self) -> set:
+        """Every value that carries tokens (computed once: it is asked per operand)."""
         return set(self.specs) | self.doubly
 
     def region(self, eqns, producer, consumers, scrambled_in, stacked_in) -> tuple[set[int], set]:

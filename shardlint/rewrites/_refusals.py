@@ -95,10 +95,6 @@ def require_linear(var, eqns, l_eqns, producer, mine, scaled) -> None:
         "compute it outside the layer or per group, then rewrite")
 
 
-def is_linear_sum(var, eqns, l_eqns, producer, mine, scaled) -> bool:
-    return _is_linear(var, eqns, l_eqns, producer, mine, scaled, depth=0)
-
-
 def _is_linear(var, eqns, l_eqns, producer, mine, scaled, depth) -> bool:
     p = producer.get(var)
     if p is None or p not in mine or depth > 16:

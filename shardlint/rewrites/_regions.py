@@ -92,8 +92,6 @@ def plan_regions(traces: Traces, axes: TokenAxes, *, seed_lines: frozenset = fro
 class _Planner:
     def __init__(self, axes, specs, doubly, local_of, seed_lines, per_shard_capacity):
         self.grower = Grower(axes, specs, doubly, seed_lines, per_shard_capacity)
-        self.specs, self.doubly, self.scaled = specs, doubly, self.grower.scaled
-        self.per_shard_capacity = per_shard_capacity
         self.local_of = local_of
 
     def level(self, jaxpr, consts, local, local_consts, *, scrambled_in=frozenset(),
@@ -101,22 +99,23 @@ class _Planner:
         eqns = jaxpr.eqns
         producer = {v: i for i, e in enumerate(eqns) for v in e.outvars}
         consumers = consumers_of(eqns)
-        builders = Builders(jaxpr, local, local_consts, producer, self.scaled, built_in or {})
+        g = self.grower
+        builders = Builders(jaxpr, local, local_consts, producer, g.scaled, built_in or {})
         region, scrambled = self.grower.region(eqns, producer, consumers, scrambled_in, stacked_in)
-        if region and not self.per_shard_capacity:
+        if region and not g.per_shard_capacity:
             for i in sorted(region):   # the capacity itself first, then what couples tokens
                 for v in eqns[i].outvars:
-                    if v in self.doubly:
+                    if v in g.doubly:
                         _refusals.refuse_global_capacity(eqns[i], v)
-            _refusals.refuse_token_coupling(eqns, region, self.specs)
+            _refusals.refuse_token_coupling(eqns, region, g.specs)
         groups = convex_groups(eqns, region)
         level = Level(jaxpr, consts, local, local_consts, groups, {}, set(stacked_in), {})
         outvars = {v: k for k, v in enumerate(jaxpr.outvars) if not _jax.is_literal(v)}
         boundaries(level, eqns, local.eqns, producer, consumers, outvars, crossable,
-                   sharded=set(self.specs), scrambled=scrambled, per_shard=self.doubly)
+                   sharded=set(g.specs), scrambled=scrambled, per_shard=g.doubly)
         for grp in groups:
             for v in grp.inputs:
-                if v in self.scaled and v not in scrambled_in and builders.can_build(v):
+                if v in g.scaled and v not in scrambled_in and builders.can_build(v):
                     level.built[v] = builders.builder(v)
         self._enter_bodies(level, eqns, region, consumers, builders, scrambled_in, stacked_in)
         return level
@@ -147,7 +146,7 @@ class _Planner:
                                            "form the rewrite does not follow; wrap the layer in "
                                            "jax.checkpoint")
                     sub_stacked.add(inner)
-                elif a in self.scaled and not sliced and builders.can_build(a):
+                elif a in self.grower.scaled and not sliced and builders.can_build(a):
                     sub_built[inner] = builders.builder(a)
             # Results that only bodies read may leave per shard (a scan's carries may not).
             crossable = {k for k, v in enumerate(eqn.outvars)

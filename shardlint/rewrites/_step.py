@@ -10,18 +10,19 @@ some arguments) and `notes` what was done.
 
 from __future__ import annotations
 
+import abc
 import contextlib
 from typing import Any, Callable
 
 
-class JittedStep:
+class JittedStep(abc.ABC):
     changed: bool | None = None
     notes: list[str]
     step: Callable
 
+    @abc.abstractmethod
     def _staged(self, args: tuple) -> Any:
         """The jitted function (with `trace` and `lower`) that runs these arguments."""
-        raise NotImplementedError
 
     def _context(self):
         return contextlib.nullcontext()
