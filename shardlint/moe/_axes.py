@@ -29,6 +29,7 @@ from typing import Any, Sequence
 
 import jax
 from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from .._errors import ShardlintError
 from ._config import MoeConfig
@@ -50,6 +51,11 @@ class TokenAxes:
     @property
     def all(self) -> tuple[str, ...]:
         return self.batch + self.seq
+
+    @property
+    def x_spec(self) -> P:
+        """The PartitionSpec of x_BSD these axes describe."""
+        return P(self.batch or None, self.seq or None, None)
 
 
 def as_axes(entry: Any) -> tuple[str, ...]:
@@ -140,9 +146,16 @@ def static_problems(cfg: MoeConfig, mesh: Mesh, expert_axis: str | None,
 
 
 def check_layout(cfg: MoeConfig, mesh: Mesh, shape: tuple[int, ...], axes: TokenAxes,
-                 expert_axis: str | None, tensor_axis: str | None) -> None:
+                 expert_axis: str | None, tensor_axis: str | None,
+                 weight_axes: tuple[str, ...] = ()) -> None:
     """Raise MoeShardingError listing every problem, or return None."""
     problems = static_problems(cfg, mesh, expert_axis, tensor_axis)
+    stray = [a for a in weight_axes if a not in axes.all]
+    if stray:
+        problems.append(
+            f"weight_axes {stray} shard the weights but not the tokens of this call; "
+            f"shard x over them too, or build the layer with weight_axes={axes.all} "
+            f"(or () to keep the weights whole)")
     if len(shape) != 3 or shape[-1] != cfg.emb_dim:
         problems.append(f"x has shape {tuple(shape)}; expected [batch, seq, "
                         f"emb_dim={cfg.emb_dim}]")
@@ -168,5 +181,6 @@ def check_layout(cfg: MoeConfig, mesh: Mesh, shape: tuple[int, ...], axes: Token
         raise MoeShardingError(
             f"ShardedRoutedMoE cannot run x{list(shape)} on mesh {dict(mesh.shape)} "
             f"(batch axes {axes.batch}, seq axes {axes.seq} from {axes.source}, "
-            f"expert_axis={expert_axis!r}, tensor_axis={tensor_axis!r}):\n  - "
+            f"expert_axis={expert_axis!r}, tensor_axis={tensor_axis!r}, "
+            f"weight_axes={weight_axes!r}):\n  - "
             + "\n  - ".join(problems))

@@ -19,6 +19,8 @@ only where a parallelism needs it:
     its slice of F; psum over the tensor axis. If the tensor axis also shards the tokens
     (sequence parallelism), the block is all-gathered over it on entry and the output is
     psum-scattered back.
+  weights sharded over the token axes (`weight_axes`, D sharded; see `_layout`): the
+    block all-gathers its weights on entry and reduce-scatters their gradients.
 
 Dense strategy: capacity is per *local* token group (the block a device routes, after
 the sequence-parallel gather if any), so this equals the reference only when the capacity
@@ -33,26 +35,25 @@ from typing import Sequence
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from . import _compat
+from . import _compat, _layout
 from ._axes import (MoeShardingError, TokenAxes, as_axes, check_layout, infer_token_axes,
                     static_problems)
 from ._config import MoeConfig
 from ._experts import (Params, batched_swiglu, combine_rows, dense_combine, dense_dispatch,
                        grouped_swiglu, init_moe_params, moe_tokens)
+from ._reference import serving_a_swap
 from ._routing import route
 
-_PARAM_KEYS = ("gate", "wi_0", "wi_1", "wo")
+_PARAM_KEYS = tuple(_layout.EMBED_DIMS)
 
 
 def _axes_arg(value: str | Sequence[str] | None) -> tuple[str, ...] | None:
     return None if value is None else as_axes(value)
 
 
-def _entry(axes: tuple[str, ...]) -> tuple[str, ...] | None:
-    return axes if axes else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,7 +61,8 @@ class ShardedRoutedMoE:
     """RoutedMoE that routes, sorts and multiplies per shard inside `shard_map`.
 
     `ShardedRoutedMoE(cfg, mesh, *, batch_axes=None, seq_axes=None, expert_axis=None,
-    tensor_axis=None)`; `layer(params, x_BSD)` with the RoutedMoE parameter pytree.
+    tensor_axis=None, weight_axes=None)`; `layer(params, x_BSD)` with the RoutedMoE
+    parameter pytree.
     Equal to RoutedMoE in outputs and gradients (the dense strategy: when its capacity
     drops nothing).
 
@@ -75,7 +77,16 @@ class ShardedRoutedMoE:
     `expert_axis`: mesh axis sharding the weights' expert dimension (all-to-all when it
     also shards the tokens, psum otherwise). `tensor_axis`: mesh axis sharding F
     (psum of the output, or all-gather + psum-scatter when it also shards tokens).
-    `param_specs()` gives the PartitionSpecs the weights are used with.
+
+    `weight_axes`: mesh axes sharding the weights' embed dimension D, gathered inside the
+    layer (see `_layout`); every one must shard the tokens of a call. None (default) is
+    the memory-lean layout: `batch_axes + seq_axes` when given, else every mesh axis of
+    size > 1 other than `expert_axis` and `tensor_axis`. `()`: weights whole on every
+    token shard. Exception: a layer built while `shardlint.rewrite` swaps it in for
+    RoutedMoE (`served_by`) defaults to `()`, because the caller's parameters come in the
+    layout chosen for RoutedMoE and a swap changes where tokens go, not where weights live.
+    `param_specs()` gives the PartitionSpecs of that layout, `param_shardings()` the same
+    as NamedShardings on the mesh (put `init`'s params there).
     """
 
     cfg: MoeConfig
@@ -84,13 +95,23 @@ class ShardedRoutedMoE:
     seq_axes: str | Sequence[str] | None = dataclasses.field(default=None, kw_only=True)
     expert_axis: str | None = dataclasses.field(default=None, kw_only=True)
     tensor_axis: str | None = dataclasses.field(default=None, kw_only=True)
+    weight_axes: str | Sequence[str] | None = dataclasses.field(default=None, kw_only=True)
     _fns: dict = dataclasses.field(default_factory=dict, init=False, repr=False,
                                    compare=False, hash=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "batch_axes", _axes_arg(self.batch_axes))
         object.__setattr__(self, "seq_axes", _axes_arg(self.seq_axes))
+        weight_axes = _axes_arg(self.weight_axes)
+        if weight_axes is None:
+            given = (None if self.batch_axes is None and self.seq_axes is None
+                     else (self.batch_axes or ()) + (self.seq_axes or ()))
+            weight_axes = () if serving_a_swap() else _layout.default_weight_axes(
+                self.mesh, given, self.expert_axis, self.tensor_axis)
+        object.__setattr__(self, "weight_axes", weight_axes)
         problems = static_problems(self.cfg, self.mesh, self.expert_axis, self.tensor_axis)
+        problems += _layout.weight_axes_problems(self.mesh, weight_axes, self.cfg.emb_dim,
+                                                 self.expert_axis, self.tensor_axis)
         if problems:
             raise MoeShardingError(f"ShardedRoutedMoE on mesh {dict(self.mesh.shape)}:\n  - "
                                    + "\n  - ".join(problems))
@@ -99,9 +120,15 @@ class ShardedRoutedMoE:
         return init_moe_params(key, self.cfg)
 
     def param_specs(self) -> dict[str, P]:
-        e, t = self.expert_axis, self.tensor_axis
-        return {"gate": P(None, None), "wi_0": P(e, None, t), "wi_1": P(e, None, t),
-                "wo": P(e, t, None)}
+        """The PartitionSpecs of `init`'s params in this layer's layout."""
+        e, t, w = self.expert_axis, self.tensor_axis, self.weight_axes
+        others = {"gate": {}, "wi_0": {0: e, 2: t}, "wi_1": {0: e, 2: t}, "wo": {0: e, 1: t}}
+        return {k: _layout.spec(2 if k == "gate" else 3, dim, w, others[k])
+                for k, dim in _layout.EMBED_DIMS.items()}
+
+    def param_shardings(self) -> dict[str, NamedSharding]:
+        """`param_specs()` as NamedShardings on the layer's mesh."""
+        return _layout.to_shardings(self.mesh, self.param_specs())
 
     def token_axes(self, x_BSD: jax.Array) -> TokenAxes:
         return infer_token_axes(x_BSD, self.mesh, batch_axes=self.batch_axes,
@@ -110,19 +137,21 @@ class ShardedRoutedMoE:
     def __call__(self, params: Params, x_BSD: jax.Array) -> jax.Array:
         axes = self.token_axes(x_BSD)
         check_layout(self.cfg, self.mesh, x_BSD.shape, axes, self.expert_axis,
-                     self.tensor_axis)
-        return self._sharded_fn(axes)({k: params[k] for k in _PARAM_KEYS}, x_BSD)
+                     self.tensor_axis, self.weight_axes)
+        params = _layout.placed({k: params[k] for k in _PARAM_KEYS}, self.mesh,
+                                self.param_specs())
+        return self._sharded_fn(axes)(params, x_BSD)
 
     def _sharded_fn(self, axes: TokenAxes):
         """The jitted shard_map for these token axes, built once (eager calls then hit the
         jit cache; under an outer jit it is inlined)."""
         key = (axes.batch, axes.seq)
         if key not in self._fns:
-            x_spec = P(_entry(axes.batch), _entry(axes.seq), None)
-            body = lambda p, x: self._block(p, x, axes)
+            body = lambda p, x: self._block(
+                _layout.gather(p, _layout.EMBED_DIMS, self.weight_axes), x, axes)
             self._fns[key] = jax.jit(_compat.shard_map(
-                body, mesh=self.mesh, in_specs=(self.param_specs(), x_spec),
-                out_specs=x_spec))
+                body, mesh=self.mesh, in_specs=(self.param_specs(), axes.x_spec),
+                out_specs=axes.x_spec))
         return self._fns[key]
 
     # ---- inside shard_map: one device's block ----

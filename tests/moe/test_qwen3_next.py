@@ -1,4 +1,6 @@
-"""Qwen3NextSparseMoeBlock: routed + sigmoid-gated shared expert, on both layers."""
+"""Qwen3NextSparseMoeBlock: routed + sigmoid-gated shared expert, on both layers; on a
+mesh in the default memory-lean layout (every weight's embed dimension sharded over the
+token axes) unless a case asks for `weight_axes=()`."""
 
 from __future__ import annotations
 
@@ -18,18 +20,14 @@ CASES = {
                 "seq_axes": "context"}),
     "tp": ((2, 2, 2), ("data", "context", "tensor"), P("data", "context"),
            {"tensor_axis": "tensor", "batch_axes": "data", "seq_axes": "context"}),
+    "cp4x2": ((4, 2), ("data", "context"), P("data", "context"), {}),
+    "cp2x4_whole": ((2, 4), ("data", "context"), P("data", "context"), {"weight_axes": ()}),
 }
 
 
 @pytest.fixture(scope="module")
 def lib(moe_testlib):
     return moe_testlib
-
-
-def _param_specs(block):
-    return {"moe": block.routed.param_specs(),
-            "shared_expert": {"wi_0": P(), "wi_1": P(), "wo": P()},
-            "shared_expert_gate": P()}
 
 
 def _reference(lib, strategy):
@@ -44,7 +42,7 @@ def _sharded(lib, case, strategy):
     block = moe.Qwen3NextSparseMoeBlock(lib.config(strategy=strategy, **QWEN), mesh, **kwargs)
     x, r = lib.activations()
     return lib.compiled_vjp(("qwen", case, strategy), block, block.init(jax.random.key(0)),
-                            x, r, mesh, x_spec, _param_specs(block))
+                            x, r, mesh, x_spec, block.param_specs())
 
 
 def test_block_is_routed_plus_gated_shared_expert(lib):
@@ -67,8 +65,10 @@ def test_block_is_routed_plus_gated_shared_expert(lib):
 
 
 @pytest.mark.parametrize("case,strategy", [("cp2x4", "sparse"), ("cp1x8", "sparse"),
-                                           ("ep_a2a", "sparse"), ("tp", "sparse"),
-                                           ("cp2x4", "dense"), ("ep_a2a", "dense")])
+                                           ("cp4x2", "sparse"), ("ep_a2a", "sparse"),
+                                           ("tp", "sparse"), ("cp2x4_whole", "sparse"),
+                                           ("cp2x4", "dense"), ("cp4x2", "dense"),
+                                           ("ep_a2a", "dense")])
 def test_block_on_a_mesh_equals_the_reference_block(lib, case, strategy):
     want = _reference(lib, strategy).run()
     got = _sharded(lib, case, strategy).run()
@@ -76,9 +76,25 @@ def test_block_on_a_mesh_equals_the_reference_block(lib, case, strategy):
 
 
 def test_block_on_a_mesh_keeps_the_sequence_sharded(lib):
-    hlo = _sharded(lib, "cp2x4", "sparse").hlo
+    hlo = _sharded(lib, "cp2x4_whole", "sparse").hlo
     assert "all-gather" not in hlo
     assert "moe/shared_expert" in hlo
+
+
+def test_block_param_specs_shard_every_embed_dimension(lib):
+    shape, names, _, kwargs = CASES["cp2x4"]
+    block = moe.Qwen3NextSparseMoeBlock(lib.config(**QWEN), lib.make_mesh(shape, names),
+                                        **kwargs)
+    lean = ("data", "context")
+    assert block.param_specs() == {
+        "moe": block.routed.param_specs(),
+        "shared_expert": {"wi_0": P(lean, None), "wi_1": P(lean, None), "wo": P(None, lean)},
+        "shared_expert_gate": P(lean, None)}
+    params = jax.eval_shape(block.init, jax.random.key(0))
+    shardings = block.param_shardings()
+    assert jax.tree.structure(shardings) == jax.tree.structure(params)
+    with pytest.raises(TypeError, match="without a mesh has no layout"):
+        moe.Qwen3NextSparseMoeBlock(lib.config(**QWEN)).param_specs()
 
 
 def test_sharded_keywords_need_a_mesh(lib):

@@ -2,7 +2,9 @@
 token axis sharded where the reference all-gathers it.
 
 Each case is (mesh, x sharding, layer keywords); one compiled vjp step per case serves
-both the numerics and the HLO assertions.
+both the numerics and the HLO assertions. The layer runs in its default, memory-lean
+layout (weights' embed dimension sharded over the token axes, gathered inside the layer)
+unless a case asks for `weight_axes=()` (weights whole on every token shard).
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from shardlint import moe
+from shardlint.moe._axes import as_axes
+from shardlint.moe._layout import EMBED_DIMS
 
 DP_CP = ("data", "context")
 CASES = {
@@ -31,6 +35,15 @@ CASES = {
                         {"tensor_axis": "tensor"}),
     "ep_tp": ((2, 2, 2), ("context", "expert", "tensor"), P("expert", "context"),
               {"expert_axis": "expert", "tensor_axis": "tensor"}),
+    # expert and tensor parallelism over the data x context axes themselves
+    "ep_data_2x4": ((2, 4), DP_CP, P("data", "context"), {"expert_axis": "data"}),
+    "ep_data_4x2": ((4, 2), DP_CP, P("data", "context"), {"expert_axis": "data"}),
+    "tp_context_4x2": ((4, 2), DP_CP, P("data", "context"), {"tensor_axis": "context"}),
+    "tp_context_1x8": ((1, 8), DP_CP, P("data", "context"), {"tensor_axis": "context"}),
+    # the weights whole on every token shard (the layout before weight_axes existed)
+    "cp2x4_whole": ((2, 4), DP_CP, P("data", "context"), {"weight_axes": ()}),
+    "ep_a2a_whole": ((2, 2, 2), DP_CP + ("expert",), P(("data", "expert"), "context"),
+                     {"expert_axis": "expert", "weight_axes": ()}),
 }
 STRATEGIES = {"sparse": {}, "dense": {"strategy": "dense"},
               # capacity large enough to drop nothing, but computed, not defaulted
@@ -79,6 +92,28 @@ def test_sharded_equals_reference_outputs_and_gradients(lib, case, strategy):
     lib.assert_tree_close(dp, want_dp)
 
 
+@pytest.mark.parametrize("case", ["cp2x4", "ep_a2a", "tp_seq_parallel", "ep_data_4x2"])
+def test_param_shardings_are_the_layout_and_gradients_leave_in_it(lib, case):
+    shape, names, x_spec, kwargs = CASES[case]
+    layer = moe.ShardedRoutedMoE(lib.config(), lib.make_mesh(shape, names), **_axes(x_spec),
+                                 **kwargs)
+    shardings = layer.param_shardings()
+    params = jax.eval_shape(layer.init, jax.random.key(0))
+    assert jax.tree.structure(shardings) == jax.tree.structure(params)
+    assert {k: s.spec for k, s in shardings.items()} == layer.param_specs()
+    assert all(s.mesh == layer.mesh for s in shardings.values())
+    # memory-lean: each device holds 1/devices of every expert weight, the router's D sliced
+    for k in ("wi_0", "wi_1", "wo"):
+        local = shardings[k].shard_shape(params[k].shape)
+        assert np.prod(local) * layer.mesh.size == np.prod(params[k].shape), (k, local)
+    weight_degree = int(np.prod([layer.mesh.shape[a] for a in layer.weight_axes]))
+    assert shardings["gate"].shard_shape((lib.D, lib.E)) == (lib.D // weight_degree, lib.E)
+    compiled = sharded_step(lib, case, "sparse").compiled
+    dparams = compiled.output_shardings[1]
+    for k, s in shardings.items():
+        assert dparams[k].is_equivalent_to(s, params[k].ndim), (k, dparams[k], s)
+
+
 # ---- compiled HLO: which collectives exist, and on what shapes ----
 
 _COLLECTIVE = re.compile(
@@ -95,32 +130,51 @@ def collectives(hlo: str) -> list[tuple[str, list[tuple[int, ...]]]]:
     return found
 
 
-def _weight_shapes(layer, params) -> set[tuple[int, ...]]:
-    """Global and per-device shapes of the weights (their gradients' reductions)."""
-    shapes = {()}
-    for name, w in params.items():
-        spec = layer.param_specs()[name]
-        local = tuple(n // (layer.mesh.shape[a] if a else 1) for n, a in zip(w.shape, spec))
-        shapes |= {tuple(w.shape), local}
-    return shapes
+def _local(layer, name, shape, whole_embed=False) -> tuple[int, ...]:
+    """Per-device shape of a weight (with its embed dimension whole: as gathered)."""
+    spec = tuple(layer.param_specs()[name]) + (None,) * len(shape)
+    degree = lambda entry: int(np.prod([layer.mesh.shape[a] for a in as_axes(entry)]))
+    return tuple(n if (whole_embed and d == EMBED_DIMS[name]) else n // degree(spec[d])
+                 for d, n in enumerate(shape))
 
 
-@pytest.mark.parametrize("case", ["cp2x4", "cp1x8", "ep_a2a"])
+def _weight_shapes(layer, params, whole_embed=False) -> set[tuple[int, ...]]:
+    """Global and per-device shapes of the weights (their gradients' reductions), or the
+    per-device shapes with the embed dimension whole (their gathers)."""
+    if whole_embed:
+        return {_local(layer, k, w.shape, True) for k, w in params.items()}
+    return {()} | {tuple(w.shape) for w in params.values()} | {
+        _local(layer, k, w.shape) for k, w in params.items()}
+
+
+HLO_CASES = ["cp2x4", "cp1x8", "ep_a2a", "cp2x4_whole", "ep_a2a_whole"]
+
+
+@pytest.mark.parametrize("case", HLO_CASES)
 @pytest.mark.parametrize("strategy", ["sparse", "dense"])
 def test_sharded_hlo_moves_no_activations(lib, case, strategy):
     step = sharded_step(lib, case, strategy)
     shape, names, x_spec, kwargs = CASES[case]
     layer = moe.ShardedRoutedMoE(lib.config(**STRATEGIES[strategy]),
                                  lib.make_mesh(shape, names), **_axes(x_spec), **kwargs)
-    weights = _weight_shapes(layer, step.args[0])
+    params = step.args[0]
+    weights = _weight_shapes(layer, params)
     found = collectives(step.hlo)
     assert found, "a data-parallel step reduces its weight gradients"
     kinds = {kind for kind, _ in found}
-    assert "all-gather" not in kinds, found
-    allowed = {"all-reduce", "all-to-all"} if "expert_axis" in kwargs else {"all-reduce"}
+    allowed = {"all-reduce"} | ({"all-to-all"} if "expert_axis" in kwargs else set())
+    if layer.weight_axes:
+        # one gather per weight, on the whole-along-D shape; gradients reduce-scattered
+        allowed |= {"all-gather", "reduce-scatter"}
+        gathered = [dims[0] for kind, dims in found if kind == "all-gather"]
+        assert sorted(gathered) == sorted(_local(layer, k, w.shape, True)
+                                          for k, w in params.items()), found
+        assert "reduce-scatter" in kinds, found
+    else:
+        assert "all-gather" not in kinds, found
     assert kinds <= allowed, found
     for kind, dims in found:
-        if kind == "all-reduce":  # weight gradients (and the scalar loss) only
+        if kind in ("all-reduce", "reduce-scatter"):  # weight gradients, the scalar loss
             assert set(dims) <= weights, (kind, dims, weights)
     if "expert_axis" in kwargs:
         assert "all-to-all" in kinds
