@@ -21,8 +21,7 @@ import pytest
 pytest.importorskip("maxtext", reason="MaxText is not installed: pip install -e '.[maxtext]' (Python 3.12+)")
 
 import shardlint  # noqa: E402
-
-from . import maxtext_moe  # noqa: E402
+from shardlint.integrations import maxtext_moe  # noqa: E402
 
 pytestmark = pytest.mark.maxtext
 

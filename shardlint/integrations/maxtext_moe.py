@@ -1,47 +1,73 @@
-"""MaxText 0.2.5's own RoutedMoE layer as a training-like step, for shardlint's tests.
+"""MaxText 0.2.5's own RoutedMoE layer as a training-like step, for tests and benchmarks.
 
 `make_moe_step` builds MaxText's config with `maxtext.configs.pyconfig.initialize`, MaxText's
-12-axis mesh with `maxtext.utils.maxtext_utils.get_mesh_from_config`, and its NNX
-`maxtext.layers.moe.RoutedMoE` abstractly (`nnx.eval_shape`). Parameters come back as
+12-axis mesh with `maxtext.utils.maxtext_utils.get_mesh_from_config` (over `devices`, by
+default all of JAX's: simulated CPU devices or a TPU topology's compile-only chips), and its
+NNX `maxtext.layers.moe.RoutedMoE` abstractly (`nnx.eval_shape`). Parameters come back as
 `jax.ShapeDtypeStruct`s carrying the NamedShardings MaxText derives from its logical axis
 rules (`maxtext.utils.sharding.nnx_construct_named_sharding`); the input activations are
 sharded over the `activation_batch`/`activation_length`/`activation_embed` logical axes. The
-step is `value_and_grad` of mean(out**2) w.r.t. the parameters, so `jax.jit(step).lower(*args)`
-traces forward and backward; nothing runs on real arrays.
+step is `value_and_grad` of mean(out**2) w.r.t. the parameters (and x with `grad_x=True`), so
+`jax.jit(step).lower(*args)` traces forward and backward; nothing runs on real arrays.
 
-Nothing is set up at import time (device count, XLA flags): callers do that first. MaxText
-itself is imported lazily, inside `make_moe_step`. Note that `pyconfig.initialize` calls
-`compilation_cache.set_cache_dir(jax_cache_dir)` (default "~/jax_cache"), which is
-process-wide and stays set: pass `jax_cache_dir=str(tmp_path)` to redirect it; `""` only skips
-the call (a folder set earlier stays). `scan_layers` is passed to the config only: one
-RoutedMoE does not read it.
+`MoeSizes` says the layer's shape (global batch, sequence, dims, experts, top-k, dtype); the
+default is the small dropless MoE the tests use. Nothing is set up at import time (device
+count, XLA flags): callers do that first. MaxText itself is imported lazily, inside the
+functions. Note that `pyconfig.initialize` calls `compilation_cache.set_cache_dir(jax_cache_dir)`
+(default "~/jax_cache"), which is process-wide and stays set: pass `jax_cache_dir=str(tmp_path)`
+to redirect it; `""` only skips the call (a folder set earlier stays). `scan_layers` is passed
+to the config only: one RoutedMoE does not read it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import tempfile
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 
 ACTIVATION_AXES = ("activation_batch", "activation_length", "activation_embed")
 
-# Small dims: 8 experts, top-2, f32, a dropless (capacity_factor=-1) MoE; megablox and tokamax
-# off so the sparse path uses `jax.lax.ragged_dot`, which compiles on CPU.
-SMALL_MOE_CONFIG: dict[str, Any] = dict(
-    base_emb_dim=64, base_mlp_dim=128, base_moe_mlp_dim=128, num_experts=8, num_experts_per_tok=2,
-    max_target_length=128, dtype="float32", weight_dtype="float32", capacity_factor=-1.0,
-    megablox=False, use_tokamax_gmm=False, base_num_decoder_layers=1, decoder_block="mixtral",
-    enable_checkpointing=False, skip_jax_distributed_system=True, hardware="cpu",
-    run_name="shardlint_moe", dataset_type="synthetic", log_config=False,
+# Fixed for every size: a dropless (capacity_factor=-1) MoE of one Mixtral-style layer;
+# megablox and tokamax off so the sparse path uses `jax.lax.ragged_dot`, which compiles on CPU
+# (the TPU compiler takes it too).
+FIXED_CONFIG: dict[str, Any] = dict(
+    capacity_factor=-1.0, megablox=False, use_tokamax_gmm=False, base_num_decoder_layers=1,
+    decoder_block="mixtral", enable_checkpointing=False, skip_jax_distributed_system=True,
+    hardware="cpu", run_name="shardlint_moe", dataset_type="synthetic", log_config=False,
 )
 
 
+@dataclasses.dataclass(frozen=True)
+class MoeSizes:
+    """The layer's shape; `batch` is the global batch (None: 2 x the data degree)."""
+
+    seq: int = 128
+    emb: int = 64
+    mlp: int = 128
+    experts: int = 8
+    top_k: int = 2
+    dtype: str = "float32"
+    batch: int | None = None
+
+    def config_keys(self, data: int, num_devices: int) -> dict[str, Any]:
+        """MaxText's config keys for these sizes; MaxText's global batch is
+        `per_device_batch_size x` the number of JAX devices (not the mesh's)."""
+        batch = 2 * data if self.batch is None else self.batch
+        return dict(base_emb_dim=self.emb, base_mlp_dim=self.mlp, base_moe_mlp_dim=self.mlp,
+                    num_experts=self.experts, num_experts_per_tok=self.top_k,
+                    max_target_length=self.seq, dtype=self.dtype, weight_dtype=self.dtype,
+                    per_device_batch_size=batch / num_devices)
+
+
 def make_config(*, sparse: bool, scan_layers: bool = False, context: int = 4, data: int = 2,
-                keep_maxtext_xla_flags: bool = False, **overrides: Any):
-    """MaxText's own config (`pyconfig.initialize` on base.yml) for the small MoE.
+                sizes: MoeSizes = MoeSizes(), keep_maxtext_xla_flags: bool = False,
+                **overrides: Any):
+    """MaxText's own config (`pyconfig.initialize` on base.yml) for the MoE of `sizes` on a
+    data x context mesh (fsdp 1).
 
     MaxText's config validation writes `XLA_FLAGS=--xla_dump_to=/tmp/xla_dump/ ...
     --xla_dump_hlo_module_re=jit_train_step` into os.environ when it is unset; XLA reads it
@@ -54,10 +80,9 @@ def make_config(*, sparse: bool, scan_layers: bool = False, context: int = 4, da
     if not keep_maxtext_xla_flags:
         jax.devices()  # XLA parses XLA_FLAGS when the backend starts: start it before MaxText
         saved_xla_flags = os.environ.get("XLA_FLAGS")
-    num_devices = data * context
-    kwargs = dict(SMALL_MOE_CONFIG, sparse_matmul=sparse, scan_layers=scan_layers,
+    kwargs = dict(FIXED_CONFIG, sparse_matmul=sparse, scan_layers=scan_layers,
                   ici_data_parallelism=data, ici_context_parallelism=context,
-                  ici_fsdp_parallelism=1, per_device_batch_size=2 * data / num_devices,
+                  ici_fsdp_parallelism=1, **sizes.config_keys(data, len(jax.devices())),
                   base_output_directory=os.path.join(tempfile.gettempdir(), "shardlint_maxtext"))
     kwargs.update(overrides)
     try:
@@ -71,17 +96,26 @@ def make_config(*, sparse: bool, scan_layers: bool = False, context: int = 4, da
 
 
 def make_moe_step(mesh: jax.sharding.Mesh | None = None, *, sparse: bool, scan_layers: bool = False,
-                  context: int = 4, data: int = 2, keep_maxtext_xla_flags: bool = False,
+                  context: int = 4, data: int = 2, sizes: MoeSizes = MoeSizes(),
+                  devices: Sequence[Any] | None = None, grad_x: bool = False,
+                  keep_maxtext_xla_flags: bool = False,
                   **overrides: Any) -> tuple[Callable[..., Any], tuple[Any, ...]]:
-    """Returns `(step, args)`: `step(params, rest, x)` computes loss and grads w.r.t. params."""
+    """Returns `(step, (params, rest, x))`: `step(params, rest, x)` computes the loss and its
+    grads w.r.t. params (a pair, params' and x's, with `grad_x`).
+
+    MaxText's mesh is laid over `devices` (default: the first data x context of
+    `jax.devices()`); a `mesh` given must have MaxText's axes and sizes.
+    """
     from flax import nnx
     from flax.core.spmd import logical_axis_rules
     from maxtext.layers import initializers, moe
     from maxtext.utils import maxtext_utils, sharding
 
     config = make_config(sparse=sparse, scan_layers=scan_layers, context=context, data=data,
-                         keep_maxtext_xla_flags=keep_maxtext_xla_flags, **overrides)
-    maxtext_mesh = maxtext_utils.get_mesh_from_config(config)
+                         sizes=sizes, keep_maxtext_xla_flags=keep_maxtext_xla_flags, **overrides)
+    if devices is None:
+        devices = jax.devices()[:data * context]
+    maxtext_mesh = maxtext_utils.get_mesh_from_config(config, list(devices))
     if mesh is not None:
         if dict(mesh.shape) != dict(maxtext_mesh.shape):
             raise ValueError(f"mesh {dict(mesh.shape)} does not match MaxText's config "
@@ -113,16 +147,18 @@ def make_moe_step(mesh: jax.sharding.Mesh | None = None, *, sparse: bool, scan_l
     params = jax.tree.map(with_sharding, params, shardings, is_leaf=is_var)
     batch = int(config.global_batch_size_to_train_on)
     x_sharding = sharding.create_sharding(mesh, ACTIVATION_AXES, rules=rules)
-    x = jax.ShapeDtypeStruct((batch, config.max_target_length, config.emb_dim), jnp.float32,
+    x = jax.ShapeDtypeStruct((batch, config.max_target_length, config.emb_dim), config.dtype,
                              sharding=x_sharding)
 
     def loss_fn(params, rest, x):
         layer = nnx.merge(graphdef, params, rest)
         out, _, _ = layer(x)
-        return jnp.mean(jnp.square(out))
+        return jnp.mean(jnp.square(out.astype(jnp.float32)))
+
+    argnums = (0, 2) if grad_x else 0
 
     def moe_step(params, rest, x):
         with logical_axis_rules(rules):  # MaxText's constraints resolve names at trace time
-            return jax.value_and_grad(loss_fn)(params, rest, x)
+            return jax.value_and_grad(loss_fn, argnums=argnums)(params, rest, x)
 
     return moe_step, (params, rest, x)
