@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import statistics
 import sys
+import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -103,6 +105,19 @@ def concrete_args(v: Variant, mesh, x_spec: P, x: jax.Array) -> tuple[Any, Any]:
     params = jax.tree.map(lambda w, s: jax.device_put(w, NamedSharding(mesh, s)),
                           v.params, v.param_specs)
     return params, jax.device_put(x, NamedSharding(mesh, x_spec))
+
+
+def median_seconds(fn: Callable[..., Any], *args: Any, repeats: int, warmup: int = 1) -> float:
+    """Median wall time of `fn(*args)` (to `jax.block_until_ready`) over `repeats` runs
+    after `warmup` untimed ones."""
+    for _ in range(warmup):
+        jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
 
 
 def count_all_gathers(hlo_text: str) -> int:

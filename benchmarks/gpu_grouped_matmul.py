@@ -36,9 +36,7 @@ runs it anyway, to check the script with small sizes; those numbers mean nothing
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Callable
 
@@ -47,6 +45,7 @@ import jax.numpy as jnp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
+from _common import median_seconds  # noqa: E402
 from shardlint import moe  # noqa: E402
 
 # Dense bf16 peak FLOP/s by device_kind (datasheet, no sparsity), most specific first.
@@ -57,17 +56,6 @@ PEAKS = (("h100 pcie", 756e12), ("h100 nvl", 835e12), ("h100", 989e12), ("h200",
 def peak_flops(device_kind: str) -> float | None:
     kind = device_kind.lower()
     return next((peak for name, peak in PEAKS if name in kind), None)
-
-
-def median_seconds(fn: Callable, *args, repeats: int) -> float:
-    for _ in range(2):
-        jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def grouped_swiglu(w, x_MD, sizes_E):
@@ -144,15 +132,15 @@ def main() -> int:
     print(f"\n{'':<32}{'forward':>28}{'forward+backward':>28}")
     results = {}
     for name, f, w, x, rest, cotangent in cases:
-        fwd = median_seconds(jax.jit(f), w, x, *rest, repeats=args.repeats)
+        fwd = median_seconds(jax.jit(f), w, x, *rest, repeats=args.repeats, warmup=2)
         both = median_seconds(forward_and_backward(f), w, x, *rest, cotangent,
-                              repeats=args.repeats)
+                              repeats=args.repeats, warmup=2)
         results[name] = (flops / fwd, 3 * flops / both)
         print(f"{name:<32}{_cell(fwd, flops, peak):>28}{_cell(both, 3 * flops, peak):>28}",
               flush=True)
     n = args.ceiling
     a = jax.random.normal(jax.random.key(2), (n, n), jnp.bfloat16)
-    t = median_seconds(jax.jit(lambda a: a @ a), a, repeats=args.repeats)
+    t = median_seconds(jax.jit(lambda a: a @ a), a, repeats=args.repeats, warmup=2)
     print(f"{f'bf16 matmul {n}^3 (ceiling)':<32}{_cell(t, 2 * n ** 3, peak):>28}")
     (g_fwd, g_both), (d_fwd, d_both) = results[cases[0][0]], results[cases[1][0]]
     print(f"\ngrouped / dense achieved FLOP/s: forward {g_fwd / d_fwd:.3f}, "

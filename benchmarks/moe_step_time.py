@@ -18,9 +18,7 @@ shared host are noisy: compare ratios from one run, not across runs.
 
 from __future__ import annotations
 
-import statistics
 import sys
-import time
 
 import jax
 
@@ -54,14 +52,8 @@ def main() -> int:
         step = _common.train_step(v)
         step_args = _common.concrete_args(v, mesh, args.x_spec, x)
         compiled = step.lower(*step_args).compile()
-        for _ in range(args.warmup):
-            jax.block_until_ready(compiled(*step_args))
-        times = []
-        for _ in range(args.repeats):
-            start = time.perf_counter()
-            jax.block_until_ready(compiled(*step_args))
-            times.append(time.perf_counter() - start)
-        medians[v.name] = statistics.median(times)
+        medians[v.name] = _common.median_seconds(compiled, *step_args, repeats=args.repeats,
+                                                 warmup=args.warmup)
     base = medians["ShardedRoutedMoE"]
     width = max(map(len, medians)) + 2
     print(f"\n{'layer':<{width}}{'median ms':>12}{'vs Sharded':>12}")

@@ -10,8 +10,9 @@ sharded over the `activation_batch`/`activation_length`/`activation_embed` logic
 step is `value_and_grad` of mean(out**2) w.r.t. the parameters (and x with `grad_x=True`), so
 `jax.jit(step).lower(*args)` traces forward and backward; nothing runs on real arrays.
 
-`MoeSizes` says the layer's shape (global batch, sequence, dims, experts, top-k, dtype); the
-default is the small dropless MoE the tests use. Nothing is set up at import time (device
+`sizes` (`shardlint.examples.steps.Sizes`: global batch, sequence, dims, experts, top-k) and
+`dtype` say the layer's shape; the default is the small float32 dropless MoE the tests use,
+with a global batch of 2 x the data degree. Nothing is set up at import time (device
 count, XLA flags): callers do that first. MaxText itself is imported lazily, inside the
 functions. Note that `pyconfig.initialize` calls `compilation_cache.set_cache_dir(jax_cache_dir)`
 (default "~/jax_cache"), which is process-wide and stays set: pass `jax_cache_dir=str(tmp_path)`
@@ -21,13 +22,14 @@ to the config only: one RoutedMoE does not read it.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import tempfile
 from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
+
+from ..examples.steps import Sizes
 
 ACTIVATION_AXES = ("activation_batch", "activation_length", "activation_embed")
 
@@ -41,33 +43,25 @@ FIXED_CONFIG: dict[str, Any] = dict(
 )
 
 
-@dataclasses.dataclass(frozen=True)
-class MoeSizes:
-    """The layer's shape; `batch` is the global batch (None: 2 x the data degree)."""
+def small_sizes(data: int) -> Sizes:
+    """The tests' MoE: seq 128, emb 64, mlp 128, 8 experts, top-2, batch 2 x data."""
+    return Sizes(batch=2 * data, seq=128, emb=64, mlp=128, experts=8, top_k=2)
 
-    seq: int = 128
-    emb: int = 64
-    mlp: int = 128
-    experts: int = 8
-    top_k: int = 2
-    dtype: str = "float32"
-    batch: int | None = None
 
-    def config_keys(self, data: int, num_devices: int) -> dict[str, Any]:
-        """MaxText's config keys for these sizes; MaxText's global batch is
-        `per_device_batch_size x` the number of JAX devices (not the mesh's)."""
-        batch = 2 * data if self.batch is None else self.batch
-        return dict(base_emb_dim=self.emb, base_mlp_dim=self.mlp, base_moe_mlp_dim=self.mlp,
-                    num_experts=self.experts, num_experts_per_tok=self.top_k,
-                    max_target_length=self.seq, dtype=self.dtype, weight_dtype=self.dtype,
-                    per_device_batch_size=batch / num_devices)
+def size_keys(sizes: Sizes, dtype: str, num_devices: int) -> dict[str, Any]:
+    """MaxText's config keys for these sizes. MaxText's global batch is
+    `per_device_batch_size x` the number of JAX devices (not the mesh's), hence the division."""
+    return dict(base_emb_dim=sizes.emb, base_mlp_dim=sizes.mlp, base_moe_mlp_dim=sizes.mlp,
+                num_experts=sizes.experts, num_experts_per_tok=sizes.top_k,
+                max_target_length=sizes.seq, dtype=dtype, weight_dtype=dtype,
+                per_device_batch_size=sizes.batch / num_devices)
 
 
 def make_config(*, sparse: bool, scan_layers: bool = False, context: int = 4, data: int = 2,
-                sizes: MoeSizes = MoeSizes(), keep_maxtext_xla_flags: bool = False,
-                **overrides: Any):
-    """MaxText's own config (`pyconfig.initialize` on base.yml) for the MoE of `sizes` on a
-    data x context mesh (fsdp 1).
+                sizes: Sizes | None = None, dtype: str = "float32",
+                keep_maxtext_xla_flags: bool = False, **overrides: Any):
+    """MaxText's own config (`pyconfig.initialize` on base.yml) for the MoE of `sizes`
+    (default `small_sizes(data)`) on a data x context mesh (fsdp 1).
 
     MaxText's config validation writes `XLA_FLAGS=--xla_dump_to=/tmp/xla_dump/ ...
     --xla_dump_hlo_module_re=jit_train_step` into os.environ when it is unset; XLA reads it
@@ -82,7 +76,8 @@ def make_config(*, sparse: bool, scan_layers: bool = False, context: int = 4, da
         saved_xla_flags = os.environ.get("XLA_FLAGS")
     kwargs = dict(FIXED_CONFIG, sparse_matmul=sparse, scan_layers=scan_layers,
                   ici_data_parallelism=data, ici_context_parallelism=context,
-                  ici_fsdp_parallelism=1, **sizes.config_keys(data, len(jax.devices())),
+                  ici_fsdp_parallelism=1,
+                  **size_keys(sizes or small_sizes(data), dtype, len(jax.devices())),
                   base_output_directory=os.path.join(tempfile.gettempdir(), "shardlint_maxtext"))
     kwargs.update(overrides)
     try:
@@ -96,8 +91,8 @@ def make_config(*, sparse: bool, scan_layers: bool = False, context: int = 4, da
 
 
 def make_moe_step(mesh: jax.sharding.Mesh | None = None, *, sparse: bool, scan_layers: bool = False,
-                  context: int = 4, data: int = 2, sizes: MoeSizes = MoeSizes(),
-                  devices: Sequence[Any] | None = None, grad_x: bool = False,
+                  context: int = 4, data: int = 2, sizes: Sizes | None = None,
+                  dtype: str = "float32", devices: Sequence[Any] | None = None, grad_x: bool = False,
                   keep_maxtext_xla_flags: bool = False,
                   **overrides: Any) -> tuple[Callable[..., Any], tuple[Any, ...]]:
     """Returns `(step, (params, rest, x))`: `step(params, rest, x)` computes the loss and its
@@ -112,7 +107,7 @@ def make_moe_step(mesh: jax.sharding.Mesh | None = None, *, sparse: bool, scan_l
     from maxtext.utils import maxtext_utils, sharding
 
     config = make_config(sparse=sparse, scan_layers=scan_layers, context=context, data=data,
-                         sizes=sizes, keep_maxtext_xla_flags=keep_maxtext_xla_flags, **overrides)
+                         sizes=sizes, dtype=dtype, keep_maxtext_xla_flags=keep_maxtext_xla_flags, **overrides)
     if devices is None:
         devices = jax.devices()[:data * context]
     maxtext_mesh = maxtext_utils.get_mesh_from_config(config, list(devices))

@@ -54,8 +54,6 @@ def _axes_arg(value: str | Sequence[str] | None) -> tuple[str, ...] | None:
     return None if value is None else as_axes(value)
 
 
-
-
 @dataclasses.dataclass(frozen=True)
 class ShardedRoutedMoE:
     """RoutedMoE that routes, sorts and multiplies per shard inside `shard_map`.
