@@ -81,12 +81,13 @@ class _Flow:
             return marks[index] if index < len(marks) else _union(marks)
         return marks
 
-    def _root(self, computation: str):
+    def _root(self, computation: str, default=0):
+        """The marks of a computation's result; `default` while it is not computed yet."""
         comp = self.module.computations.get(computation)
         if comp is None:
-            return 0
+            return default
         root = next((i for i in comp.instructions if i.is_root), None)
-        return self.values.get(root.name, 0) if root is not None else 0
+        return self.values.get(root.name, default) if root is not None else default
 
     def _eval(self, instr: Instruction, in_entry: bool):
         op = instr.opcode
@@ -108,7 +109,10 @@ class _Flow:
             return _union(tuple(operands))  # nothing inside is asked about: its inputs' marks
         if op == "while":
             body, cond = instr.loop_body or "", instr.loop_condition or ""
-            carried = _join(operands[0], self._root(body)) if operands else 0
+            # Before the body is walked its result has no marks yet: joining a default 0
+            # would merge the carried tuple's elements and make every sliced weight data.
+            root = self._root(body, default=None)
+            carried = (operands[0] if root is None else _join(operands[0], root)) if operands else 0
             for comp in (body, cond):
                 self._bind(comp, 0, carried)
             return carried

@@ -311,6 +311,27 @@ def make_fsdp_step(mesh, axis: str | None = None):
     return train_step, (params, _batch(mesh, P(batch, "context", None)))
 
 
+def make_scanned_fsdp_step(mesh):
+    """The FSDP MLP as LAYERS stacked layers under `lax.scan` (MaxText's `scan_layers`),
+    SGD inside: each body slices its layer's weights and gathers them over `data`.
+
+    `weights`: every AG (w_in f32[16,32] and w_out f32[32,16] per iteration, forward and
+    backward). The loop carries weights and activations side by side in one tuple; only
+    the weights' elements hold parameters. Nothing is `lost`.
+    """
+
+    def layer(x_BSD, params):
+        return x_BSD + jax.nn.silu(x_BSD @ params["w_in"]) @ params["w_out"], None  # <- scanned fsdp
+
+    def train_step(params, x_BSD):
+        loss, grads = jax.value_and_grad(lambda p: jnp.mean(jax.lax.scan(layer, x_BSD, p)[0] ** 2))(params)
+        return loss, jax.tree.map(lambda p, g: p - 0.1 * g, params, grads)
+
+    params = {"w_in": _sds(mesh, (LAYERS, EMB, MLP), P(None, "data", None)),
+              "w_out": _sds(mesh, (LAYERS, MLP, EMB), P(None, None, "data"))}
+    return train_step, (params, _batch(mesh))
+
+
 def make_clean_step(mesh):
     """Routed MoE flattened per shard inside `shard_map`, batch sharded over `data` only.
 

@@ -99,6 +99,19 @@ def test_fsdp_weight_gathers_are_weights_on_a_three_axis_mesh():
     assert analysis.findings == ()
 
 
+def test_scanned_fsdp_weight_gathers_are_weights():
+    """A loop's carried tuple keeps its elements' marks apart from the first pass on: the
+    sliced layer weights are weights, not data because an activation rides in the same
+    tuple (MaxText's scanned layers read as `lost` before)."""
+    fn, args = cause_steps.make_scanned_fsdp_step(_mesh(2, 4))
+    analysis = shardlint.analyze(fn, *args)
+    gathers = analysis.all_gathers()
+    assert gathers and all(c.in_loop for c in gathers)
+    assert all(c.cause == "weights" and c.axes == ("data",) for c in gathers), \
+        [(c.cause, c.axes, c.shape) for c in gathers]
+    assert analysis.findings == ()
+
+
 def test_scanned_layers_carry_the_trip_count():
     analysis = _analysis("make_scanned_layers_step")
     looped = [c for c in analysis.collectives if c.in_loop]
