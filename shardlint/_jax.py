@@ -92,11 +92,16 @@ def is_literal(atom) -> bool:
 
 def user_frame(eqn) -> tuple[str, int] | None:
     """(file, line) of the innermost user frame that traced `eqn`
-    (`source_info_util.user_frame`, private)."""
+    (`source_info_util.user_frames`, private), passing over functions installed in place
+    of JAX's own (MaxText's compat shim around `jax.lax.top_k`), as the analyzer does."""
     from jax._src import source_info_util
 
+    from .analyzer._stack import jax_shims_in
+
     traceback = eqn.source_info.traceback
-    frame = source_info_util.user_frame(traceback) if traceback else None
+    frames = source_info_util.user_frames(traceback) if traceback else ()
+    frame = next((f for f in frames if f.function_name.rpartition(".")[2] not in jax_shims_in(f.file_name)),
+                 None)
     return (frame.file_name, frame.start_line) if frame else None
 
 

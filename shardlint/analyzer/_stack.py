@@ -87,8 +87,32 @@ def parse_stack_frames(lines: list[str]) -> dict[int, tuple[SourceLocation, ...]
 def user_stack(stack: tuple[SourceLocation, ...]) -> tuple[SourceLocation, ...]:
     """The frames of a stack that are the user's code (at most `MAX_FRAMES`, innermost
     first); the innermost frame if none is."""
-    kept = tuple(frame for frame in stack if not is_library_file(frame.file))
+    kept = tuple(frame for frame in stack if not is_library_file(frame.file)
+                 and frame.function.rpartition(".")[2] not in jax_shims_in(frame.file))
     return kept[:MAX_FRAMES] or tuple(stack[:1])
+
+
+# The public JAX namespaces a library may patch in place.
+_JAX_NAMESPACES = ("jax", "jax.lax", "jax.numpy", "jax.nn", "jax.random")
+
+
+@functools.lru_cache(maxsize=4096)
+def jax_shims_in(file: str) -> frozenset[str]:
+    """Names of the functions in `file` that are installed in place of public JAX
+    functions: MaxText wraps `jax.lax.top_k` and `with_sharding_constraint` in compat
+    shims, so every top_k's innermost frame would be the shim, not the model's line.
+    Read after the step was traced, when the patches are in place."""
+    if not os.path.isabs(file):
+        return frozenset()
+    target = os.path.normpath(file)
+    names = set()
+    for namespace in _JAX_NAMESPACES:
+        module = sys.modules.get(namespace)
+        for value in vars(module).values() if module is not None else ():
+            code = getattr(value, "__code__", None)
+            if code is not None and os.path.normpath(code.co_filename) == target:
+                names.add(code.co_name)
+    return frozenset(names)
 
 
 @functools.lru_cache(maxsize=65536)

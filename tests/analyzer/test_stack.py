@@ -182,3 +182,21 @@ def test_display_path_of_a_package_off_sys_path_is_relative_to_its_root(tmp_path
     (tmp_path / "elsewhere").mkdir()
     monkeypatch.chdir(tmp_path / "elsewhere")
     assert display_path(str(module)) == "pkg/sub/layer.py"
+
+
+def test_a_shim_installed_in_place_of_jax_top_k_is_not_the_users_line(monkeypatch):
+    """MaxText replaces `jax.lax.top_k` with a compat shim; the finding and the rewrite's
+    seed must name the model's top_k line, not the shim's."""
+    import shardlint
+    from shardlint import _jax
+
+    from . import cause_steps, jax_compat_shim
+
+    monkeypatch.setattr(jax.lax, "top_k", jax_compat_shim.compat_top_k)
+    mesh = jax.make_mesh((2, 4), ("data", "context"), axis_types=(AxisType.Auto,) * 2)
+    fn, args = cause_steps.make_scatter_dispatch_step(mesh)
+    analysis = shardlint.analyze(fn, *args)
+    files = {os.path.basename(f.source.file) for f in analysis.findings if f.op == "top_k"}
+    assert files == {"cause_steps.py"}, files
+    eqn = next(e for e in jax.make_jaxpr(fn)(*args).jaxpr.eqns if e.primitive.name == "top_k")
+    assert os.path.basename(_jax.user_frame(eqn)[0]) == "cause_steps.py"
