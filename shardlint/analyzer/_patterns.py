@@ -54,27 +54,50 @@ def is_expert_batched_eqn(eqn, producer: dict) -> bool:
     return False
 
 
-def reads_expert_weights(eqn, eqns, producer: dict) -> bool:
+def reads_expert_weights(eqn, eqns, producer: dict, tokens=frozenset()) -> bool:
     """A jaxpr matmul with a stacked expert weight: an input of the jaxpr of rank 3 or
-    more, maybe through a layout op or a sharding annotation (an einsum with `[E, D, F]`
-    weights, as dense dispatch computes every expert)."""
-    if eqn.primitive.name not in ("dot_general", "ragged_dot_general"):
+    more, maybe through a layout op or a sharding annotation, whose leading (expert)
+    dimension the matmul does not contract: an einsum with `[E, D, F]` weights, as dense
+    dispatch computes every expert. Attention's `[D, heads, head_dim]` and
+    `[heads, head_dim, D]` kernels contract their leading dimension and are not experts;
+    nor are inputs in `tokens` (activations, which a scan body takes as inputs too)."""
+    name = eqn.primitive.name
+    if name not in ("dot_general", "ragged_dot_general"):
         return False
-    for operand in eqn.invars:
+    contracting = eqn.params["dimension_numbers"][0] if name == "dot_general" else ((), ())
+    for side, operand in enumerate(eqn.invars[:2]):
+        chain = []   # layout ops from the weight down to the matmul's operand, last first
         for _ in range(4):
             if hasattr(operand, "val"):   # a Literal
                 break
             p = producer.get(operand)
             if p is None:
-                if len(getattr(operand.aval, "shape", ())) >= 3:
-                    return True
+                if len(getattr(operand.aval, "shape", ())) >= 3 and operand not in tokens:
+                    leading = _leading_dim_after(reversed(chain))
+                    if leading is not None and leading not in contracting[side]:
+                        return True
                 break
             if eqns[p].primitive.name not in _JAXPR_LAYOUT_PRIMITIVES or not eqns[p].invars:
                 break
+            chain.append(eqns[p])
             operand = eqns[p].invars[0]
     return False
 
 
+def _leading_dim_after(layout_eqns) -> int | None:
+    """Where a weight's leading dimension is after these layout ops (None: reshaped)."""
+    position = 0
+    for layout in layout_eqns:
+        if layout.primitive.name == "transpose":
+            position = tuple(layout.params["permutation"]).index(position)
+        elif layout.primitive.name not in _SAME_DIMS_PRIMITIVES:
+            return None
+    return position
+
+
+# Layout ops that keep every dimension where it is.
+_SAME_DIMS_PRIMITIVES = {"convert_element_type", "copy", "copy_p", "sharding_constraint", "reshard",
+                         "mesh_cast"}
 _JAXPR_LAYOUT_PRIMITIVES = {"convert_element_type", "transpose", "reshape", "copy", "copy_p",
                             "sharding_constraint", "reshard", "mesh_cast", "squeeze", "expand_dims"}
 

@@ -165,3 +165,27 @@ def test_tracing_failure_is_an_analysis_error():
 
     with pytest.raises(shardlint.AnalysisError, match="tracing the step failed"):
         shardlint.analyze(broken, *args)
+
+
+@pytest.mark.parametrize("spec, shapes, transpose, expected", [
+    ("bsd,edf->bsef", ((2, 8, 4), (3, 4, 5)), None, True),       # dense dispatch: every expert
+    ("bsd,dhk->bshk", ((2, 8, 4), (4, 3, 5)), None, False),      # attention's query kernel
+    ("bshk,hkd->bsd", ((2, 8, 3, 5), (3, 5, 4)), None, False),   # attention's output kernel
+    ("bsd,edf->bsef", ((2, 8, 4), (3, 5, 4)), (0, 2, 1), True),  # [E, F, D] stored, transposed
+])
+def test_expert_weights_are_stacked_weights_whose_leading_dim_is_kept(spec, shapes, transpose, expected):
+    """A matmul reads expert weights when a rank-3 input keeps its leading (expert) dim;
+    attention's 3-D kernels contract theirs; activations (token values) are not weights."""
+    import jax.numpy as jnp
+
+    from shardlint.analyzer._patterns import reads_expert_weights
+
+    def f(x, w):
+        return jnp.einsum(spec, x, w.transpose(transpose) if transpose else w)
+
+    jaxpr = jax.make_jaxpr(f)(*(jnp.zeros(s) for s in shapes)).jaxpr
+    producer = {v: i for i, e in enumerate(jaxpr.eqns) for v in e.outvars}
+    dot = next(e for e in jaxpr.eqns if e.primitive.name == "dot_general")
+    x, w = jaxpr.invars
+    assert reads_expert_weights(dot, jaxpr.eqns, producer, tokens={x}) is expected
+    assert reads_expert_weights(dot, jaxpr.eqns, producer, tokens={x, w}) is False
