@@ -9,6 +9,8 @@ boundary (a scan's hoisted constant is built in the outer jaxpr).
 
 from __future__ import annotations
 
+import numpy as np
+
 from .. import _jax
 from ._replay import bind_eqn, read
 
@@ -17,13 +19,39 @@ class Builders:
     """Token-sized values built from constants alone (iota, zeros, `arange(T) // K`): a
     shard rebuilds them at its own size by replaying the per-shard trace's equations."""
 
-    def __init__(self, jaxpr, local, local_consts, producer, scaled, built_in):
+    def __init__(self, jaxpr, local, local_consts, producer, scaled, built_in,
+                 positional_in=frozenset()):
         self.eqns, self.l_eqns = jaxpr.eqns, local.eqns
         self.producer, self.scaled, self.built_in = producer, scaled, built_in
+        self.positional_in = positional_in   # the built_in values that hold positions
         self.local_consts = dict(zip(local.constvars, local_consts))
         self.constvars = set(jaxpr.constvars)
         self.local_constvar = dict(zip(jaxpr.constvars, local.constvars))
         self._memo: dict = {}
+        self._positions: dict = {}
+
+    def leaves(self) -> dict:
+        """The token-sized values of this jaxpr that are buildable with no equation of it
+        (built in an outer jaxpr, or constants), and whether each holds positions."""
+        return {v: self.holds_positions(v) for v in (*self.built_in, *self.constvars)
+                if v in self.scaled}
+
+    def holds_positions(self, v) -> bool:
+        """Whether a buildable value's content is positions (built from an iota, or a
+        constant that is not the same everywhere): per shard they are local ones."""
+        if v not in self._positions:
+            self._positions[v] = False
+            if v in self.built_in:
+                found = v in self.positional_in
+            elif v in self.constvars:
+                value = np.asarray(self.local_consts[self.local_constvar[v]])
+                found = value.size > 1 and not bool(np.all(value == value.flat[0]))
+            else:
+                eqn = self.eqns[self.producer[v]]
+                found = eqn.primitive.name == "iota" or any(
+                    self.holds_positions(u) for u in _vars(eqn.invars))
+            self._positions[v] = found
+        return self._positions[v]
 
     def can_build(self, v) -> bool:
         if v in self._memo:

@@ -30,6 +30,10 @@ ROUTING_OPS = {"top_k", "sort", "scatter", "scatter-add", "scatter_add", "gather
                "cumprod", "cummax", "cummin", "argmax", "argmin"}
 
 
+# Comparisons whose answer does not change when labels are renamed one-to-one.
+_RELABELING_INVARIANT = {"eq", "ne"}
+
+
 @dataclasses.dataclass
 class Grower:
     """What the traces say about tokens, the same for every level of the step."""
@@ -45,9 +49,13 @@ class Grower:
         """Every value that carries tokens (computed once: it is asked per operand)."""
         return set(self.specs) | self.doubly
 
-    def region(self, eqns, producer, consumers, scrambled_in, stacked_in) -> tuple[set[int], set]:
+    def region(self, eqns, producer, consumers, scrambled_in, stacked_in,
+               leaves: dict | None = None) -> tuple[set[int], set]:
         """The region's equations, and the values in it that hold tokens in per-shard order
-        (flattened, or built from per-shard constants): those may not leave it."""
+        (flattened, or built from per-shard constants): those may not leave it. `leaves`:
+        token-sized values buildable per shard with no equation here (constants, and those
+        an outer jaxpr builds, as a scan's hoisted iotas), and whether each holds positions."""
+        leaves = leaves or {}
         merges = {i for i, e in enumerate(eqns) if _merges_seq(e, self.specs, self.axes)}
         routing = {i for i, e in enumerate(eqns) if self._routing_seed(e)}
         arriving = set(scrambled_in) | set(stacked_in)
@@ -56,14 +64,62 @@ class Grower:
         if not seeds:
             return set(), set()
         exits = {i for i, e in enumerate(eqns) if _splits_tokens(e, self.specs, self.axes)}
-        # Grow to a fixpoint: an equation joins when it reads tokens in per-shard order, or
-        # reads a per-shard value (group sizes, offsets) and feeds back into the region.
         region: set[int] = set(seeds)
         scrambled: set = set(scrambled_in)
         # With per-shard capacity, a running total over tokens means "per shard": what it
         # feeds stays in the region until tokens are back in block form (the combine).
         coupling = {i for i in routing if self.per_shard_capacity
                     and _refusals.couples_tokens(eqns[i], self.specs)}
+        # Constants rebuilt per shard that are built from an iota hold local positions
+        # (indices into the shard's block, which is what the region's ops address): they
+        # may not leave it, so what reads them joins in turn (scatter's JVP compares such
+        # ids outside the scatter). Uniform ones (zeros, full) are only rebuilt smaller.
+        constant: set[int] = set()
+        positional: set = set()   # the scrambled values that are labels in block form
+        while True:
+            self._grow(eqns, producer, consumers, region, scrambled, positional, stacked_in,
+                       merges=merges, exits=exits, coupling=coupling)
+            grown = set(region)
+            pulled = _pull_in_constants(eqns, region, self.scaled, producer, leaves)
+            if not pulled:
+                break
+            # What was pulled in because it computes on region values follows its inputs;
+            # a leaf that holds positions is a label from here on (it may not leave).
+            for i in sorted(pulled):
+                ins = variables(eqns[i].invars)
+                labels = {v for v in ins if leaves.get(v)}
+                scrambled |= labels
+                positional |= labels
+                if all(producer.get(v) in constant or v in leaves
+                       or (v not in self.scaled and producer.get(v) not in grown) for v in ins):
+                    constant.add(i)
+                    if eqns[i].primitive.name == "iota" or any(v in positional or leaves.get(v)
+                                                                for v in ins):
+                        outs = {v for v in eqns[i].outvars if v in self.scaled}
+                        scrambled |= outs
+                        positional |= outs
+                else:
+                    self._propagate(eqns[i], scrambled, positional, reordered=False)
+        region = self._routed_only(eqns, region, producer, consumers, routing)
+        for v in arriving:
+            outside = [c for c in consumers.get(v, ()) if c not in region and sub_of(eqns[c]) is None]
+            if outside:
+                raise RewriteError(
+                    f"a per-shard value ({v.aval.str_short()}) that a routed layer saved for later "
+                    f"is read outside a routed region{_refusals.user_line(eqns[outside[0]])}; "
+                    "wrap the layer in jax.checkpoint so its backward recomputes it")
+        return region, scrambled
+
+    def _grow(self, eqns, producer, consumers, region, scrambled, positional, stacked_in, *,
+              merges, exits, coupling) -> None:
+        """Grows `region`, `scrambled` and `positional` in place to a fixpoint: an equation
+        joins when it reads tokens in per-shard order, or reads a per-shard value (group
+        sizes, offsets) and feeds back into the region.
+
+        `positional` values are in (batch, seq, ...) form but hold per-shard labels (local
+        positions, ids scattered and gathered back); comparing two for equality gives the
+        same answer under any relabeling, so its result is an ordinary value (the JVP of
+        `x.at[i].set(u)` finds the winning update that way)."""
         changed = True
         while changed:
             changed = False
@@ -79,34 +135,29 @@ class Grower:
                     changed = True
                 if i in exits or (coupling and self._back_in_block_form(e)):
                     continue
-                if i in merges or i in coupling or any(v in scrambled for v in ins):
-                    new = {v for v in e.outvars if v in self.scaled} - scrambled
-                    if new:
-                        scrambled |= new
-                        changed = True
-        grown = set(region)
-        pulled = _pull_in_constants(eqns, region, self.scaled, producer)
-        # Constants rebuilt per shard hold local positions (indices into the shard's
-        # block, which is what the region's ops address): they may not leave it. What
-        # was pulled in because it computes on region values follows its inputs.
-        constant: set[int] = set()
-        for i in sorted(pulled):
-            ins = variables(eqns[i].invars)
-            if all(producer.get(v) in constant or (v not in self.scaled and producer.get(v) not in grown)
-                   for v in ins):
-                constant.add(i)
-                scrambled |= {v for v in eqns[i].outvars if v in self.scaled}
-            elif any(v in scrambled for v in ins):
-                scrambled |= {v for v in eqns[i].outvars if v in self.scaled}
-        region = self._routed_only(eqns, region, producer, consumers, routing)
-        for v in arriving:
-            outside = [c for c in consumers.get(v, ()) if c not in region and sub_of(eqns[c]) is None]
-            if outside:
-                raise RewriteError(
-                    f"a per-shard value ({v.aval.str_short()}) that a routed layer saved for later "
-                    f"is read outside a routed region{_refusals.user_line(eqns[outside[0]])}; "
-                    "wrap the layer in jax.checkpoint so its backward recomputes it")
-        return region, scrambled
+                if self._propagate(e, scrambled, positional, reordered=i in merges or i in coupling):
+                    changed = True
+
+    def _propagate(self, eqn, scrambled, positional, *, reordered: bool) -> bool:
+        """Marks `eqn`'s token-carrying results scrambled (and positional when they hold
+        labels only); True when something new was marked. `reordered`: the equation
+        itself puts tokens in per-shard order (a flatten, a running total).
+
+        A gather's or scatter's indices are addresses: local positions there place values
+        in the shard's own block and leave no label in the result; indices in per-shard
+        order do reorder it."""
+        carried = [v for v in variables(eqn.invars) if v in scrambled
+                   and not (v in positional and _is_address(eqn, v))]
+        if not (reordered or carried):
+            return False
+        labels_only = not reordered and all(v in positional for v in carried)
+        if labels_only and eqn.primitive.name in _RELABELING_INVARIANT:
+            return False
+        new = {v for v in eqn.outvars if v in self.scaled} - scrambled
+        scrambled |= new
+        if labels_only:
+            positional |= new
+        return bool(new)
 
     def _back_in_block_form(self, eqn) -> bool:
         """Tokens sharded as the input's, computed from a per-shard-capacity value (one
@@ -119,7 +170,7 @@ class Grower:
         `argsort` and `take_along_axis` are jitted helpers: their jit equation counts)."""
         if not self.seed_lines or not _is_routing_op(eqn):
             return False
-        if not any(v in self.scaled for v in variables(eqn.invars)):
+        if not any(v in self.scaled for v in variables(_routed_operands(eqn))):
             return False
         frame = _jax.user_frame(eqn)
         return frame is not None and (display_path(frame[0]), frame[1]) in self.seed_lines
@@ -127,12 +178,18 @@ class Grower:
     def _routed_only(self, eqns, region, producer, consumers, routing) -> set[int]:
         """The connected parts of the region that route tokens to experts: they hold a
         grouped matmul or an expert-batched dot, or a routing op whose result reaches an
-        expert weight's matmul (the rest of the step, a backward included), or a routing
-        op on the same line as such a one (its transpose in the backward)."""
-        experts = {i for i, e in enumerate(eqns) if reads_expert_weights(e, eqns, producer)}
+        expert weight's matmul (the rest of the step, a backward included) or, from before
+        the experts, what their outputs flow into, or a routing op on the same line as such
+        a one (its transpose in the backward)."""
+        experts = {i for i, e in enumerate(eqns) if reads_expert_weights(e, eqns, producer, self.scaled)}
+        after_experts = _downstream(eqns, consumers, experts)
         routed_lines = set()
         for i in routing:
-            if _reaches_any(i, eqns, consumers, experts):
+            ahead = _downstream(eqns, consumers, {i})
+            # Into the experts (a sort before a grouped matmul), or, from before them, into
+            # what combines their outputs (the weights of a dense dispatch, in a scanned
+            # layer's forward body where no expert matmul follows).
+            if ahead & experts or (i not in after_experts and ahead & after_experts):
                 routed_lines.add(_jax.user_frame(eqns[i]))
         keep = {i for i in routing if _jax.user_frame(eqns[i]) in routed_lines}
         return _connected_parts(eqns, region, producer,
@@ -189,17 +246,17 @@ def _reaches(eqns, consumers, targets: set[int]) -> set[int]:
     return reaches
 
 
-def _pull_in_constants(eqns, region, scaled, producer) -> set[int]:
-    """Token-sized values built from nothing (iota, zeros, `arange(T) // K`) join the
-    region with everything they are built from, so they are rebuilt at local size.
-    Returns the equations pulled in."""
+def _pull_in_constants(eqns, region, scaled, producer, leaves) -> set[int]:
+    """Token-sized values built from nothing (iota, zeros, `arange(T) // K`, `leaves`)
+    join the region with everything they are built from, so they are rebuilt at local
+    size. Returns the equations pulled in."""
     memo: dict[int, bool] = {}
     pulled: set[int] = set()
 
     def buildable(p: int) -> bool:
         if p not in memo:
             memo[p] = False  # cycles cannot occur in a jaxpr; this guards the recursion
-            memo[p] = all(u not in scaled or producer.get(u) in region
+            memo[p] = all(u not in scaled or producer.get(u) in region or u in leaves
                           or (producer.get(u) is not None and buildable(producer[u]))
                           for u in variables(eqns[p].invars))
         return memo[p]
@@ -219,6 +276,22 @@ def _pull_in_constants(eqns, region, scaled, producer) -> set[int]:
             if p is not None and p not in region and v in scaled and buildable(p):
                 pull(p)
     return pulled
+
+
+def _is_address(eqn, var) -> bool:
+    """Whether `var` is the indices operand of a gather or scatter equation."""
+    return (eqn.primitive.name.startswith(("gather", "scatter")) and len(eqn.invars) > 1
+            and eqn.invars[1] is var)
+
+
+def _routed_operands(eqn) -> list:
+    """The operands a routing op moves or ranks. A gather or scatter routes tokens only
+    when the array it reads from or writes into carries them: an embedding lookup (a
+    table gathered at token ids) and its backward (a scatter-add into the table) do not.
+    A jitted jnp helper (`take_along_axis`, `argsort`) takes that array first."""
+    if eqn.primitive.name.startswith(("gather", "scatter", "jit", "pjit")):
+        return list(eqn.invars[:1])
+    return list(eqn.invars)
 
 
 def _is_routing_op(eqn) -> bool:
@@ -248,15 +321,14 @@ def _connected_parts(eqns, region: set[int], producer, holds) -> set[int]:
     return {i for i in region if find(i) in routed}
 
 
-def _reaches_any(start: int, eqns, consumers, targets: set[int]) -> bool:
-    seen, stack = {start}, [start]
+def _downstream(eqns, consumers, starts: set[int]) -> set[int]:
+    """`starts` and every equation their results flow into."""
+    seen, stack = set(starts), list(starts)
     while stack:
         i = stack.pop()
-        if i in targets:
-            return True
         for v in eqns[i].outvars:
             for c in consumers.get(v, ()):
                 if c not in seen:
                     seen.add(c)
                     stack.append(c)
-    return False
+    return seen

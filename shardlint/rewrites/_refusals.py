@@ -77,9 +77,10 @@ def refuse_global_capacity(eqn, var) -> None:
 
 def refuse_scrambled_exit(eqn, var) -> None:
     raise RewriteError(
-        f"a token-flattened value ({var.aval.str_short()}{user_line(eqn)}) leaves the routed "
-        "region without being reshaped back to (batch, seq, ...); computing it per shard would "
-        "change its order. Reshape it back inside the layer, or return it per (batch, seq)")
+        f"a per-shard value ({var.aval.str_short()}{user_line(eqn)}: tokens in per-shard order, "
+        "or positions within a shard) leaves the routed region; outside it, it would mean "
+        "something else. Reshape tokens back to (batch, seq, ...) inside the layer, or wrap the "
+        "layer in jax.checkpoint so that its backward recomputes what it saved")
 
 
 def require_linear(var, eqns, l_eqns, producer, mine, scaled) -> None:

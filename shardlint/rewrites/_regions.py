@@ -95,13 +95,15 @@ class _Planner:
         self.local_of = local_of
 
     def level(self, jaxpr, consts, local, local_consts, *, scrambled_in=frozenset(),
-              stacked_in=frozenset(), built_in=None, crossable=frozenset()) -> Level:
+              stacked_in=frozenset(), built_in=None, positional_in=frozenset(),
+              crossable=frozenset()) -> Level:
         eqns = jaxpr.eqns
         producer = {v: i for i, e in enumerate(eqns) for v in e.outvars}
         consumers = consumers_of(eqns)
         g = self.grower
-        builders = Builders(jaxpr, local, local_consts, producer, g.scaled, built_in or {})
-        region, scrambled = self.grower.region(eqns, producer, consumers, scrambled_in, stacked_in)
+        builders = Builders(jaxpr, local, local_consts, producer, g.scaled, built_in or {}, positional_in)
+        region, scrambled = self.grower.region(eqns, producer, consumers, scrambled_in, stacked_in,
+                                               leaves=builders.leaves())
         if region and not g.per_shard_capacity:
             for i in sorted(region):   # the capacity itself first, then what couples tokens
                 for v in eqns[i].outvars:
@@ -130,7 +132,7 @@ class _Planner:
                 continue
             lsub = sub_of(level.local.eqns[i])
             first_carry, end_carry = carries(eqn)
-            sub_scrambled, sub_stacked, sub_built = set(), set(), {}
+            sub_scrambled, sub_stacked, sub_built, sub_positional = set(), set(), {}, set()
             for k, (a, inner) in enumerate(zip(eqn.invars, sub.jaxpr.invars)):
                 if _jax.is_literal(a):
                     continue
@@ -148,13 +150,16 @@ class _Planner:
                     sub_stacked.add(inner)
                 elif a in self.grower.scaled and not sliced and builders.can_build(a):
                     sub_built[inner] = builders.builder(a)
+                    if builders.holds_positions(a):
+                        sub_positional.add(inner)
             # Results that only bodies read may leave per shard (a scan's carries may not).
             crossable = {k for k, v in enumerate(eqn.outvars)
                          if k >= end_carry - first_carry and consumers.get(v) and v not in top_outvars
                          and all(sub_of(eqns[c]) is not None for c in consumers[v])}
             inner = self.level(sub.jaxpr, sub.consts, lsub.jaxpr, lsub.consts,
                                scrambled_in=frozenset(sub_scrambled), stacked_in=frozenset(sub_stacked),
-                               built_in=sub_built, crossable=frozenset(crossable))
+                               built_in=sub_built, positional_in=frozenset(sub_positional),
+                               crossable=frozenset(crossable))
             if not inner.changed:
                 if sub_scrambled or sub_stacked:
                     raise RewriteError(f"a per-shard value saved by a routed layer reaches "

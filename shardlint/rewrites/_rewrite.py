@@ -279,7 +279,7 @@ def verify_same(original: Callable, rewritten: Callable, args, *, rtol: float = 
     got = _as_jitted_fn(rewritten)(*random_like(args))
     bad = []
     for (path, w), g in zip(jax.tree_util.tree_leaves_with_path(want), jax.tree_util.tree_leaves(got)):
-        w, g = np.asarray(w), np.asarray(g)
+        w, g = _as_numpy(w), _as_numpy(g)
         if w.shape != g.shape or not np.allclose(g, w, rtol=rtol, atol=atol):
             diff = float(np.max(np.abs(g.astype(np.float64) - w))) if w.shape == g.shape else float("nan")
             bad.append(f"output{jax.tree_util.keystr(path)} {w.dtype}{list(w.shape)}: max |diff| {diff:.3g}")
@@ -287,6 +287,17 @@ def verify_same(original: Callable, rewritten: Callable, args, *, rtol: float = 
         raise RewriteError("the rewritten step computes different numbers; left unchanged. "
                            + "; ".join(bad[:5]) + (f" (+{len(bad) - 5} more)" if len(bad) > 5 else ""))
     return True
+
+
+def _is_second_moment(path) -> bool:
+    return any(getattr(k, "key", getattr(k, "name", None)) == "nu" for k in path)
+
+
+def _as_numpy(value) -> np.ndarray:
+    """An output as numbers; typed PRNG keys (a train state's rngs) as their key data."""
+    if jax.dtypes.issubdtype(getattr(value, "dtype", None), jax.dtypes.prng_key):
+        value = jax.random.key_data(value)
+    return np.asarray(value)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -337,14 +348,17 @@ def random_like(args):
     draws weights: N(0, 1/fan_in) with fan_in the second-to-last dimension (N(0, 1/4) for
     vectors and scalars), so a deep step's activations and gradients stay of order one and
     a comparison measures the rewrite, not float32 cancellation in exploding sums;
-    integers in {0, 1}."""
-    leaves, tree = jax.tree_util.tree_flatten(args)
-    keys = jax.random.split(jax.random.key(0), max(len(leaves), 1))
+    integers in {0, 1}. Optimizer second moments (optax's `nu`, a running mean of squared
+    gradients) are drawn non-negative: a negative one makes Adam's update NaN in both
+    steps, and NaN compares equal to nothing."""
+    leaves_with_paths, tree = jax.tree_util.tree_flatten_with_path(args)
+    keys = jax.random.split(jax.random.key(0), max(len(leaves_with_paths), 1))
     values = []
-    for key, x in zip(keys, leaves):
+    for key, (path, x) in zip(keys, leaves_with_paths):
         if jax.numpy.issubdtype(x.dtype, jax.numpy.floating):
             scale = 1 / math.sqrt(x.shape[-2]) if len(x.shape) >= 2 else 0.5
-            v = (jax.random.normal(key, x.shape, jax.numpy.float32) * scale).astype(x.dtype)
+            v = jax.random.normal(key, x.shape, jax.numpy.float32) * scale
+            v = (jax.numpy.abs(v) if _is_second_moment(path) else v).astype(x.dtype)
         elif jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):   # typed PRNG keys (MaxText's rngs)
             v = jax.random.split(key, math.prod(x.shape)).reshape(x.shape)
         elif jax.numpy.issubdtype(x.dtype, jax.numpy.integer):

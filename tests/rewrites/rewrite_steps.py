@@ -16,7 +16,8 @@ from jax.sharding import PartitionSpec as P
 
 from shardlint.examples.steps import _loss_step, routed_moe
 
-from analyzer.cause_steps import BATCH, EMB, EXPERTS, HEADS, LAYERS, MLP, SEQ, TOP_K, _batch, _moe_params, _sds
+from analyzer.cause_steps import (BATCH, EMB, EXPERTS, HEADS, LAYERS, MLP, SEQ, TOP_K, _batch, _moe_params, _scatter_moe,
+                                  _sds)
 
 
 def make_remat_loop_step(mesh):
@@ -29,6 +30,24 @@ def make_remat_loop_step(mesh):
         return x_BSD
 
     return _loss_step(model), ([_moe_params(mesh) for _ in range(LAYERS)], _batch(mesh))
+
+
+def make_scanned_scatter_step(mesh, remat: bool = False):
+    """MaxText's dense path with `scan_layers`: LAYERS stacked layers of top_k and a scatter
+    into [batch, seq, experts] under `lax.scan`. The scatter's (batch, seq) positions are
+    loop-invariant, so JAX computes them once outside the loop and passes them in; the
+    forward body's routing reaches no expert weight after it, only the combine."""
+
+    def layer(x_BSD, params):
+        return x_BSD + _scatter_moe(params, x_BSD), None
+
+    body = jax.checkpoint(layer) if remat else layer
+
+    def model(params, x_BSD):
+        out_BSD, _ = jax.lax.scan(body, x_BSD, params)
+        return out_BSD
+
+    return _loss_step(model), (_moe_params(mesh, layers=(LAYERS,)), _batch(mesh))
 
 
 def make_fsdp_moe_step(mesh):

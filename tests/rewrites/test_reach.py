@@ -31,6 +31,7 @@ CASES = {
     "fsdp weights": (rewrite_steps.make_fsdp_moe_step, {}, {}),
     # MaxText's dense path in miniature: top_k and a scatter into [batch, seq, experts].
     "scatter dispatch, no flatten": (cause_steps.make_scatter_dispatch_step, {}, {}),
+    "scatter dispatch, scanned+remat": (rewrite_steps.make_scanned_scatter_step, {"remat": True}, {}),
     # GShard capacity, opted in to per-shard capacity; at this factor nothing drops.
     "gshard, per-shard capacity": (rewrite_steps.make_gshard_step, {"capacity_factor": 4.0},
                                    {"capacity": "per-shard"}),
@@ -148,6 +149,26 @@ def test_scanned_remat_temp_memory_falls_with_the_context_degree(context):
     ideal = _scan_temps(1)[0] / context
     assert after <= 1.15 * ideal
     assert before > 1.15 * ideal
+
+
+def test_scanned_scatter_without_remat_is_refused_never_miscomputed():
+    """Without remat the forward body saves the scatter's (batch, seq, expert) indices for
+    the backward; computed per shard they hold positions within a shard, which the
+    backward would read as global ones. The rewrite refuses and names the way out."""
+    mesh = _mesh(4)
+    fn, args = rewrite_steps.make_scanned_scatter_step(mesh)
+    with pytest.raises(shardlint.RewriteError, match=r"positions within a shard.*jax\.checkpoint"):
+        shardlint.rewrite(fn, mesh, args=args)
+
+
+@pytest.mark.xfail(reason="per-shard positions saved by a scanned layer's forward for its backward "
+                          "are refused (above), not carried per shard into the backward body",
+                   strict=True)
+def test_scanned_scatter_without_remat_is_rewritten():
+    mesh = _mesh(4)
+    fn, args = rewrite_steps.make_scanned_scatter_step(mesh)
+    fixed = shardlint.rewrite(fn, mesh, args=args)
+    assert verify_same(fn, fixed, args, rtol=1e-5, atol=1e-6)
 
 
 def test_config_length_mask_is_refused_with_the_line_and_the_way_out():
