@@ -20,18 +20,24 @@ def _progress(message: str) -> None:
 def _add_target(p: argparse.ArgumentParser) -> None:
     p.add_argument("target", help="path/to/model.py:make_step or package.module:make_step; "
                                   "called with the mesh, returns (step_fn, args)")
-    where = p.add_mutually_exclusive_group(required=True)
+    where = p.add_mutually_exclusive_group()
     where.add_argument("--mesh", help="mesh axes in order, e.g. data=2,context=4; the target "
                                       "receives this mesh")
     where.add_argument("--devices", type=int, metavar="N",
                        help="simulate N CPU devices and call the target with mesh=None, for "
                             "targets that build their own mesh (MaxText does)")
+    p.add_argument("--set", dest="options", action="append", metavar="KEY=VALUE",
+                   help="pass KEY=VALUE to the target as a keyword argument (repeatable; VALUE "
+                        "is read as JSON when it parses, else as a string), e.g. "
+                        "--set ici_context_parallelism=4 --set decoder_block=mixtral")
 
 
 def _add_topology(p: argparse.ArgumentParser) -> None:
     p.add_argument("--topology", metavar="NAME",
                    help="compile with the real TPU compiler for this TPU topology, no TPU "
                         "needed (libtpu AOT), e.g. v5p:2x2x1; memory is then per-chip HBM. "
+                        "With --mesh the mesh is laid over its chips; alone, the target gets "
+                        "mesh=None and devices=<the chips> (MaxText's does). "
                         "Needs: pip install 'shardlint[tpu]'")
     p.add_argument("--hbm-gib", type=float, metavar="N",
                    help="flag the step (exit 1) when one device's arguments + outputs + temp "
@@ -91,27 +97,40 @@ def _parser() -> argparse.ArgumentParser:
 
 def _load(args):
     from .commands._targets import (build_mesh, build_topology_mesh, check_mesh, make_step, mesh_of_args,
-                          parse_mesh_spec, simulate_devices)
+                                    parse_mesh_spec, parse_options, simulate_devices)
 
+    options = parse_options(args.options)
+    topology = getattr(args, "topology", None)
     if args.devices is not None:
-        if getattr(args, "topology", None):
-            raise UsageError("--topology needs --mesh: the mesh is laid over the topology's chips")
+        if topology:
+            raise UsageError("--topology brings its own chips: drop --devices (or use --mesh to lay "
+                             "a mesh over them)")
         if args.devices < 1:
             raise UsageError(f"--devices {args.devices}: give a positive device count")
         simulate_devices(args.devices)
         _progress(f"tracing {args.target} (mesh=None, {args.devices} simulated CPU devices)")
-        fn, step_args = make_step(args.target, None)
+        fn, step_args = make_step(args.target, None, options)
+        return mesh_of_args(step_args, args.target), fn, step_args
+    if args.mesh is None:
+        if not topology:
+            raise UsageError("give --mesh AXES (the target gets that mesh), --devices N (it builds "
+                             "its own), or --topology NAME (it builds its own over a TPU topology)")
+        from .analyzer._topology import topology_devices
+
+        devices = topology_devices(topology)
+        _progress(f"tracing {args.target} (mesh=None, the {len(devices)} chips of {topology})")
+        fn, step_args = make_step(args.target, None, options, devices=devices)
         return mesh_of_args(step_args, args.target), fn, step_args
     axes = parse_mesh_spec(args.mesh)
     import math
 
-    if getattr(args, "topology", None):
-        mesh = build_topology_mesh(axes, args.topology)
+    if topology:
+        mesh = build_topology_mesh(axes, topology)
     else:
         simulate_devices(math.prod(axes.values()))
         mesh = build_mesh(axes)
     _progress(f"tracing {args.target}")
-    fn, step_args = make_step(args.target, mesh)
+    fn, step_args = make_step(args.target, mesh, options)
     check_mesh(step_args, mesh)
     return mesh, fn, step_args
 
@@ -216,6 +235,7 @@ def _can_run(args, rewriting: bool) -> bool:
 
 def _report(args) -> int:
     from .commands import analyze_pair, prepare_devices, run_sweep
+    from .commands._targets import parse_options
     from .reports import write_html
 
     if args.sweep and args.mesh is None:
@@ -234,6 +254,7 @@ def _report(args) -> int:
     if sweep:
         axes = dict(zip(mesh.axis_names, mesh.devices.shape))
         points = run_sweep(args.target, axes, sweep, rewrite=rewrite, progress=_progress,
+                           options=parse_options(args.options),
                            known={axes[sweep[0]]: (before, after)},
                            build_mesh=_topology_meshes(args))
     write_html(before, after, path=args.out, sweep=points, title=args.target,

@@ -20,8 +20,12 @@ from ..gate._gate import BaselineRef, default_root, record
 from ..gate._wording import headline
 
 def update_command(target: str, mesh: str | None, baseline: str, root: str | None = None,
-                   devices: int | None = None) -> str:
-    where = ["--mesh", mesh] if mesh is not None else ["--devices", str(devices)]
+                   devices: int | None = None, options: list[str] | None = None,
+                   topology: str | None = None) -> str:
+    where = (["--mesh", mesh] if mesh is not None else
+             ["--devices", str(devices)] if devices is not None else [])
+    where += ["--topology", topology] if topology else []
+    where += [w for option in options or () for w in ("--set", option)]
     words = ["shardlint", "check", target, *where, "--baseline", baseline]
     words += ["--root", root] if root else []
     return " ".join(shlex.quote(w) for w in words) + " --update"
@@ -38,7 +42,8 @@ def run_check(args, *, load: Callable, progress: Callable[[str], None],
     kinds = parse_kinds(args.kinds)
     tolerance = parse_tolerance(args.tolerance)
     root = os.path.abspath(args.root) if args.root else default_root()
-    hint = update_command(args.target, args.mesh, args.baseline, args.root, args.devices)
+    hint = update_command(args.target, args.mesh, args.baseline, args.root, args.devices,
+                          args.options, getattr(args, "topology", None))
     before = None if args.update else read_baseline(args.baseline, how_to_create=hint)
     _mesh, fn, step_args = load(args)
     analysis = analyze(fn, *step_args, progress=progress)

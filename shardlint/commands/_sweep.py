@@ -108,11 +108,13 @@ def analyze_pair(fn: Callable, args: tuple, mesh, *, rewrite: bool = True, verif
 def run_sweep(target: str, mesh: dict[str, int], sweep: tuple[str, tuple[int, ...]], *,
               rewrite: bool = True, progress: Progress | None = None,
               known: dict[int, tuple[Analysis, Analysis | None]] | None = None,
-              build_mesh: Callable[[dict[str, int]], Any] | None = None) -> dict[str, Any]:
+              build_mesh: Callable[[dict[str, int]], Any] | None = None,
+              options: dict[str, Any] | None = None) -> dict[str, Any]:
     """Re-runs TARGET at each sweep value; `known` holds points already analyzed (by value).
 
     `build_mesh(axes)` makes each point's mesh (default: simulated CPU devices; the CLI
-    passes TPU topology meshes for `--topology`).
+    passes TPU topology meshes for `--topology`); `options` are the target's `--set`
+    keyword arguments.
     """
     from ._targets import build_mesh as cpu_mesh
     from ._targets import check_mesh, make_step
@@ -130,7 +132,7 @@ def run_sweep(target: str, mesh: dict[str, int], sweep: tuple[str, tuple[int, ..
                 progress(f"sweep {axis}={value}: mesh {axes}")
             try:
                 sweep_mesh = build_mesh(axes)
-                fn, args = make_step(target, sweep_mesh)
+                fn, args = make_step(target, sweep_mesh, options)
                 check_mesh(args, sweep_mesh)
                 with warnings.catch_warnings():   # a point may have nothing to rewrite (context 1)
                     warnings.simplefilter("ignore", NothingToRewrite)

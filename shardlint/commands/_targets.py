@@ -1,5 +1,6 @@
-"""From command-line words to a step on a mesh: parse `--mesh`, simulate the devices,
-import `file.py:callable` or `package.module:callable`, and call it with the mesh.
+"""From command-line words to a step on a mesh: parse `--mesh` and `--set`, simulate the
+devices, import `file.py:callable` or `package.module:callable`, and call it with the mesh
+and the options.
 
 The device count must be set before JAX starts a backend, so `simulate_devices` runs
 before the user's module is imported; every mistake here is a `UsageError` that names
@@ -10,13 +11,15 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import inspect
+import json
 import math
 import os
 import re
 import sys
 from typing import Any, Callable
 
-from .._errors import UsageError
+from .._errors import ShardlintError, UsageError
 
 
 def parse_mesh_spec(text: str) -> dict[str, int]:
@@ -109,11 +112,39 @@ def load_target(target: str) -> Callable:
     return fn
 
 
-def make_step(target: str, mesh) -> tuple[Callable, tuple[Any, ...]]:
-    """Calls the target with the mesh (None under `--devices`); it must return (step_fn, args)."""
+def parse_options(words: list[str] | None) -> dict[str, Any]:
+    """`--set key=value` words -> keyword arguments for the target's make_step. A value is
+    read as JSON when it parses (`4`, `true`, `-1.5`, `[2, 4]`, `"4"`), else kept as the
+    string it is (`mixtral`)."""
+    options: dict[str, Any] = {}
+    for word in words or ():
+        key, sep, text = word.partition("=")
+        key = key.strip()
+        if not sep or not key.isidentifier():
+            raise UsageError(f"--set {word!r}: write key=value, e.g. --set ici_context_parallelism=4")
+        if key in options:
+            raise UsageError(f"--set: {key!r} is given twice")
+        try:
+            options[key] = json.loads(text)
+        except ValueError:
+            options[key] = text
+    return options
+
+
+def make_step(target: str, mesh, options: dict[str, Any] | None = None, *,
+              devices: list | None = None) -> tuple[Callable, tuple[Any, ...]]:
+    """Calls the target with the mesh (None under `--devices` and `--topology` alone) and
+    the `--set` options as keyword arguments, plus `devices=` (a TPU topology's chips) for a
+    target that builds its own mesh over them; it must return (step_fn, args)."""
     factory = load_target(target)
+    kwargs = dict(options or {})
+    if devices is not None:
+        kwargs["devices"] = devices
+    _check_accepts(factory, target, kwargs)
     try:
-        made = factory(mesh)
+        made = factory(mesh, **kwargs)
+    except ShardlintError:
+        raise   # the target's own one-line error (MaxText's target raises these)
     except Exception as e:
         raise UsageError(f"target {target!r} raised {type(e).__name__}: {e}") from e
     if not (isinstance(made, tuple) and len(made) == 2):
@@ -126,6 +157,27 @@ def make_step(target: str, mesh) -> tuple[Callable, tuple[Any, ...]]:
         raise UsageError(f"target {target!r}: args must be a tuple of arrays or "
                          f"ShapeDtypeStructs, got {type(args).__name__}")
     return fn, tuple(args)
+
+
+def _check_accepts(factory: Callable, target: str, kwargs: dict[str, Any]) -> None:
+    """Every option must be a keyword the target takes: one line naming those it does."""
+    try:
+        signature = inspect.signature(factory)
+    except (TypeError, ValueError):
+        return  # a builtin or C callable: let the call say
+    params = signature.parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return
+    takes = [name for i, (name, p) in enumerate(params.items()) if i > 0 and p.kind in
+             (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)]
+    for key in kwargs:
+        if key in takes:
+            continue
+        if key == "devices":
+            raise UsageError(f"--topology without --mesh: target {target!r} builds its own mesh, so "
+                             f"it must take devices= (the topology's chips); or pass --mesh")
+        raise UsageError(f"target {target!r} takes no option {key!r} (--set {key}=...); "
+                         f"it takes {', '.join(takes) if takes else 'none'}")
 
 
 def _described(value) -> str:

@@ -133,6 +133,37 @@ def test_devices_usage_errors(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
+def test_set_passes_keyword_arguments_parsed_as_json(tmp_path, capsys):
+    """`--set layers=2 --set remat=false` reach make_scanned_step(mesh, layers=2, remat=False):
+    the loop runs 2 times, and without remat its collectives are fewer."""
+    out = tmp_path / "a.json"
+    target = "shardlint.examples.steps:make_scanned_step"
+    argv = ["analyze", target, "--mesh", "data=2,context=4", "--json", str(out)]
+    assert main(argv + ["--set", "layers=2", "--set", "remat=false"]) == 1
+    looped = [c for c in json.loads(out.read_text())["collectives"] if c["trips"] != 1]
+    assert looped and {c["trips"] for c in looped} == {2}
+    assert main(argv + ["--set", "layers=2"]) == 1
+    with_remat = [c for c in json.loads(out.read_text())["collectives"] if c["trips"] != 1]
+    assert len(with_remat) > len(looped)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--set", "layer=2"], "target 'shardlint.examples.steps:make_scanned_step' takes no option 'layer' "
+                           "(--set layer=...); it takes sizes, layers, remat"),
+    (["--set", "layers"], "--set 'layers': write key=value"),
+    (["--set", "layers=2", "--set", "layers=3"], "--set: 'layers' is given twice"),
+])
+def test_set_mistakes_are_one_line(argv, message, capsys):
+    assert main(["analyze", "shardlint.examples.steps:make_scanned_step", "--mesh", "data=2,context=4", *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == f"shardlint: error: {message}" or err[-1].startswith(f"shardlint: error: {message}")
+
+
+def test_a_mesh_is_needed_from_somewhere(capsys):
+    assert main(["analyze", TARGET]) == 2
+    assert "give --mesh AXES (the target gets that mesh), --devices N" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("argv, what", [
     (["analyze", TARGET, "--mesh", "data=2,context=4", "--json", "{missing}/after.json"], "the analysis"),
     (["report", TARGET, "--mesh", "data=2,context=4", "--out", "{missing}/report.html"], "the report"),
