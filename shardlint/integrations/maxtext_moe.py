@@ -63,31 +63,18 @@ def make_config(*, sparse: bool, scan_layers: bool = False, context: int = 4, da
     """MaxText's own config (`pyconfig.initialize` on base.yml) for the MoE of `sizes`
     (default `small_sizes(data)`) on a data x context mesh (fsdp 1).
 
-    MaxText's config validation writes `XLA_FLAGS=--xla_dump_to=/tmp/xla_dump/ ...
-    --xla_dump_hlo_module_re=jit_train_step` into os.environ when it is unset; XLA reads it
-    only if the backend starts afterwards, so whether it applies would depend on test order.
-    By default the backend is started first and XLA_FLAGS restored after, which keeps the
-    flags out; `keep_maxtext_xla_flags=True` leaves MaxText's behaviour as it is.
+    `keep_maxtext_xla_flags`: see `shardlint.integrations.maxtext.initialize` (by default
+    MaxText's own XLA_FLAGS, a dump folder, are kept out of the environment).
     """
-    from maxtext.configs import pyconfig
+    from . import maxtext
 
-    if not keep_maxtext_xla_flags:
-        jax.devices()  # XLA parses XLA_FLAGS when the backend starts: start it before MaxText
-        saved_xla_flags = os.environ.get("XLA_FLAGS")
     kwargs = dict(FIXED_CONFIG, sparse_matmul=sparse, scan_layers=scan_layers,
                   ici_data_parallelism=data, ici_context_parallelism=context,
                   ici_fsdp_parallelism=1,
                   **size_keys(sizes or small_sizes(data), dtype, len(jax.devices())),
                   base_output_directory=os.path.join(tempfile.gettempdir(), "shardlint_maxtext"))
     kwargs.update(overrides)
-    try:
-        return pyconfig.initialize([""], **kwargs)
-    finally:
-        if not keep_maxtext_xla_flags:
-            if saved_xla_flags is None:
-                os.environ.pop("XLA_FLAGS", None)
-            else:
-                os.environ["XLA_FLAGS"] = saved_xla_flags
+    return maxtext.initialize(kwargs, keep_maxtext_xla_flags=keep_maxtext_xla_flags)
 
 
 def make_moe_step(mesh: jax.sharding.Mesh | None = None, *, sparse: bool, scan_layers: bool = False,

@@ -1,0 +1,215 @@
+"""MaxText's real training step as a shardlint target: no harness to write.
+
+    shardlint analyze shardlint.integrations.maxtext:make_step --devices 8 \\
+        --set decoder_block=mixtral --set ici_context_parallelism=4 ...
+
+`make_step` builds the step MaxText's own AOT path (`train_compile.py`) compiles, with
+MaxText's functions for every piece:
+
+- the config: `pyconfig.initialize` on MaxText's `base.yml` with the `--set` overrides
+  (any MaxText key, `model_name=...` included);
+- the mesh: `maxtext_utils.get_mesh_from_config` over the devices shardlint gives
+  (simulated CPU devices, or a TPU topology's compile-only chips under `--topology`);
+- the shaped train state and batch with their shardings: `train_compile.get_shaped_inputs`,
+  the Zero-1 and input-data shardings of `sharding`;
+- the step, its in/out shardings and donation: `maxtext_utils.get_functional_train_with_signature`
+  over `train.train_step`, jitted with them; MaxText's logical axis rules are entered
+  while it traces.
+
+Besides the overrides, shardlint sets what running outside a training job needs (a
+user's `--set` wins): one process (`skip_jax_distributed_system`), no checkpoints, no
+config log, synthetic data, outputs under the temp folder, and no persistent compile
+cache (`jax_cache_dir=""`; MaxText's default turns one on under `~/jax_cache`). On CPU
+devices also `hardware=cpu` and `megablox=false`, `use_tokamax_gmm=false`: MaxText's
+Pallas kernels do not run on CPU, and `jax.lax.ragged_dot` does.
+
+MaxText needs Python 3.12+: `pip install 'shardlint[maxtext]'`. Nothing of MaxText is
+imported until `make_step` runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import difflib
+import math
+import os
+import re
+import sys
+import tempfile
+from typing import Any, Callable, Sequence
+
+from .._errors import UsageError
+
+INSTALL = "pip install 'shardlint[maxtext]'"
+
+# What a MaxText run outside a training job needs; the caller's overrides win.
+_OUTSIDE_A_JOB: dict[str, Any] = dict(
+    skip_jax_distributed_system=True, enable_checkpointing=False, log_config=False,
+    dataset_type="synthetic", run_name="shardlint", jax_cache_dir="",
+    base_output_directory=os.path.join(tempfile.gettempdir(), "shardlint_maxtext"),
+)
+# On CPU devices: MaxText's Pallas kernels (megablox, tokamax) do not lower for CPU.
+_ON_CPU: dict[str, Any] = dict(hardware="cpu", megablox=False, use_tokamax_gmm=False)
+
+
+class MaxTextError(UsageError):
+    """MaxText is missing, or its config or mesh cannot be built as asked."""
+
+
+def make_step(mesh=None, *, devices: Sequence[Any] | None = None,
+              **overrides: Any) -> tuple[Callable[..., Any], tuple[Any, Any]]:
+    """`(train_step, (state, batch))`: MaxText's jitted training step and its shaped inputs.
+
+    `overrides` are MaxText config keys. The mesh is MaxText's own, over `devices`
+    (default: `jax.devices()`); a `mesh` given must have MaxText's axes and sizes for this
+    config (shardlint's CLI passes None under `--devices` and `--topology`).
+    """
+    _require_maxtext()
+    from flax.core.spmd import logical_axis_rules
+
+    import jax
+
+    devices = list(devices) if devices is not None else (list(mesh.devices.flat) if mesh is not None
+                                                         else jax.devices())
+    config = make_config(platform=devices[0].platform, **overrides)
+    maxtext_mesh = _mesh(config, devices)
+    if mesh is not None and dict(mesh.shape) != dict(maxtext_mesh.shape):
+        raise MaxTextError(f"the mesh {dict(mesh.shape)} is not MaxText's for this config "
+                           f"({_sizes(maxtext_mesh)}); use --devices N and set MaxText's "
+                           f"ici_*_parallelism keys instead of --mesh")
+    state, batch, signature = _shaped_inputs(config, maxtext_mesh)
+    train_step, in_shardings, out_shardings, donate_argnums = signature
+    rules = config.logical_axis_rules
+
+    def maxtext_train_step(state, batch):
+        with logical_axis_rules(rules):  # MaxText's constraints name logical axes
+            return train_step(state, batch)
+
+    jitted = jax.jit(maxtext_train_step, in_shardings=in_shardings, out_shardings=out_shardings,
+                     donate_argnums=donate_argnums)
+    return jitted, (state, batch)
+
+
+def make_config(*, platform: str = "cpu", **overrides: Any):
+    """MaxText's config: `base.yml` + shardlint's defaults for `platform` + `overrides`."""
+    return initialize({**_OUTSIDE_A_JOB, **(_ON_CPU if platform == "cpu" else {}), **overrides})
+
+
+def initialize(keys: dict[str, Any], *, keep_maxtext_xla_flags: bool = False):
+    """`pyconfig.initialize` on base.yml with `keys`; MaxText's refusals as one line.
+
+    MaxText's config validation writes `XLA_FLAGS=--xla_dump_to=/tmp/xla_dump/ ...` into
+    the environment when it is unset; XLA reads it only if the backend starts later, so it
+    would depend on the order of calls. The backend is started first and XLA_FLAGS
+    restored after, which keeps the flags out; `keep_maxtext_xla_flags=True` leaves
+    MaxText's behaviour as it is.
+    """
+    _require_maxtext()
+    import jax
+    from maxtext.configs import pyconfig
+
+    if not keep_maxtext_xla_flags:
+        jax.devices()  # XLA parses XLA_FLAGS when the backend starts: start it before MaxText
+    saved_xla_flags = os.environ.get("XLA_FLAGS")
+    try:
+        with _quiet():
+            return pyconfig.initialize([""], **keys)
+    except ValueError as e:
+        unknown = re.match(r"'(\w+)' not in ", str(e))
+        if unknown:
+            raise MaxTextError(_unknown_key(unknown.group(1), str(e))) from None
+        raise MaxTextError(f"MaxText rejects the config: {_reason(e)}") from None
+    except (AssertionError, TypeError) as e:
+        raise MaxTextError(f"MaxText rejects the config: {_one_line(e) or type(e).__name__}") from None
+    finally:
+        if not keep_maxtext_xla_flags:
+            if saved_xla_flags is None:
+                os.environ.pop("XLA_FLAGS", None)
+            else:
+                os.environ["XLA_FLAGS"] = saved_xla_flags
+
+
+def _mesh(config, devices: list):
+    from maxtext.utils import maxtext_utils
+
+    try:
+        return maxtext_utils.get_mesh_from_config(config, devices)
+    except (AssertionError, ValueError) as e:
+        asked = ", ".join(f"{k}={v}" for k, v in _ici_keys(config).items() if v != 1)
+        raise MaxTextError(
+            f"MaxText cannot lay its mesh over {len(devices)} devices with {asked or 'every ici_* key 1'}: "
+            f"the product of the ici_*_parallelism keys (one of them -1 to fill in) must be "
+            f"{len(devices)}") from None
+
+
+def _shaped_inputs(config, mesh):
+    """MaxText's shaped (state, batch) and (step, in/out shardings, donation), as
+    train_compile.py makes them."""
+    with _quiet():   # MaxText's modules print notes on stdout as they import
+        from maxtext.trainers.pre_train import train, train_compile
+        from maxtext.utils import maxtext_utils, sharding
+
+    (state, batch), _kwargs, state_shardings, _annotations, model = (
+        train_compile.get_shaped_inputs(mesh, config))
+    params_shardings, state_shardings = sharding.maybe_update_params_sharding_with_opt(
+        config, state_shardings)
+    input_state_shardings = sharding.build_zero1_input_state_mesh_shardings(
+        config, state_shardings, params_shardings)
+    data_sharding = sharding.get_input_data_sharding(config, mesh)
+    step, in_shardings, out_shardings, _static, donate = (
+        maxtext_utils.get_functional_train_with_signature(
+            train.train_step, data_sharding, input_state_shardings, model, config,
+            params_shardings))
+    return state, batch, (step, in_shardings, out_shardings, donate)
+
+
+def _require_maxtext() -> None:
+    if sys.version_info < (3, 12):
+        raise MaxTextError(f"MaxText needs Python 3.12+ (this is {sys.version.split()[0]}); "
+                           f"in a Python 3.12 environment: {INSTALL}")
+    try:
+        with _quiet():
+            import maxtext  # noqa: F401
+            from maxtext.configs import pyconfig  # noqa: F401
+    except ImportError as e:
+        raise MaxTextError(f"MaxText is not installed ({e}); {INSTALL}") from None
+
+
+def _unknown_key(key: str, message: str) -> str:
+    valid = re.findall(r"'(\w+)'", message.split(" not in ", 1)[1])
+    close = difflib.get_close_matches(key, valid, n=3)
+    hint = f"; did you mean {', '.join(close)}?" if close else ""
+    return f"MaxText has no config key {key!r} (--set {key}=...){hint}"
+
+
+def _ici_keys(config) -> dict[str, int]:
+    return {k: v for k, v in config.get_keys().items()
+            if k.startswith("ici_") and k.endswith("_parallelism") and isinstance(v, int)}
+
+
+def _sizes(mesh) -> str:
+    return str({k: v for k, v in mesh.shape.items() if v != 1} or {"devices": math.prod(mesh.shape.values())})
+
+
+def _reason(e: ValueError) -> str:
+    """A pydantic validation error as its messages alone (not the whole config it echoes)."""
+    errors = getattr(e, "errors", None)
+    if callable(errors):
+        try:
+            return "; ".join(str(err.get("msg", "")).removeprefix("Value error, ") for err in errors())
+        except Exception:  # not pydantic's errors() after all
+            pass
+    return _one_line(e)
+
+
+def _one_line(e: BaseException) -> str:
+    text = " ".join(str(e).split())
+    return text if len(text) <= 300 else text[:297] + "..."
+
+
+@contextlib.contextmanager
+def _quiet():
+    """MaxText prints its whole config and absl notes while initializing; shardlint's
+    stdout is the report."""
+    with contextlib.redirect_stdout(sys.stderr):
+        yield
