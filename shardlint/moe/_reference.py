@@ -40,11 +40,6 @@ def served_by(call: Callable | None) -> Iterator[None]:
         _served_by.reset(token)
 
 
-def serving_a_swap() -> bool:
-    """Whether RoutedMoE calls are being served by someone else right now."""
-    return _served_by.get() is not None
-
-
 @dataclasses.dataclass(frozen=True)
 class RoutedMoE:
     """Routed SwiGLU experts over globally flattened tokens.

@@ -44,7 +44,6 @@ from ._axes import (MoeShardingError, TokenAxes, as_axes, check_layout, infer_to
 from ._config import MoeConfig
 from ._experts import (Params, batched_swiglu, combine_rows, dense_combine, dense_dispatch,
                        grouped_swiglu, init_moe_params, moe_tokens)
-from ._reference import serving_a_swap
 from ._routing import route
 
 _PARAM_KEYS = tuple(_layout.EMBED_DIMS)
@@ -80,9 +79,8 @@ class ShardedRoutedMoE:
     layer (see `_layout`); every one must shard the tokens of a call. None (default) is
     the memory-lean layout: `batch_axes + seq_axes` when given, else every mesh axis of
     size > 1 other than `expert_axis` and `tensor_axis`. `()`: weights whole on every
-    token shard. Exception: a layer built while `shardlint.rewrite` swaps it in for
-    RoutedMoE (`served_by`) defaults to `()`, because the caller's parameters come in the
-    layout chosen for RoutedMoE and a swap changes where tokens go, not where weights live.
+    token shard (what `shardlint.rewrite`'s swap route uses: the caller's parameters come in
+    the layout chosen for RoutedMoE).
     `param_specs()` gives the PartitionSpecs of that layout, `param_shardings()` the same
     as NamedShardings on the mesh (put `init`'s params there).
     """
@@ -104,8 +102,8 @@ class ShardedRoutedMoE:
         if weight_axes is None:
             given = (None if self.batch_axes is None and self.seq_axes is None
                      else (self.batch_axes or ()) + (self.seq_axes or ()))
-            weight_axes = () if serving_a_swap() else _layout.default_weight_axes(
-                self.mesh, given, self.expert_axis, self.tensor_axis)
+            weight_axes = _layout.default_weight_axes(self.mesh, given, self.expert_axis,
+                                                      self.tensor_axis)
         object.__setattr__(self, "weight_axes", weight_axes)
         problems = static_problems(self.cfg, self.mesh, self.expert_axis, self.tensor_axis)
         problems += _layout.weight_axes_problems(self.mesh, weight_axes, self.cfg.emb_dim,

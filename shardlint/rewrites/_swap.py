@@ -65,7 +65,9 @@ class SwappedStep(JittedStep):
 
         def sharded(layer, params, x_BSD):
             swapped.append(layer.cfg)
-            return ShardedRoutedMoE(layer.cfg, self.mesh, **self.layer_kwargs)(params, x_BSD)
+            # weight_axes=(): the caller's parameters come in the layout chosen for RoutedMoE;
+            # a swap changes where tokens go, not where weights live.
+            return ShardedRoutedMoE(layer.cfg, self.mesh, weight_axes=(), **self.layer_kwargs)(params, x_BSD)
 
         with served_by(sharded):
             out = self.step(*args)
