@@ -24,7 +24,10 @@ devices also `hardware=cpu` and `megablox=false`, `use_tokamax_gmm=false`: MaxTe
 Pallas kernels do not run on CPU, and `jax.lax.ragged_dot` does.
 
 MaxText needs Python 3.12+: `pip install 'shardlint[maxtext]'`. Nothing of MaxText is
-imported until `make_step` runs.
+imported until `make_step` runs. Its trainer's modules replace `jax.lax.top_k` and
+`jax.lax.with_sharding_constraint` with compat shims for the whole process when they import
+(`maxtext/integration/tunix/tunix_adapter.py`), as in a MaxText job; shardlint's stacks
+pass over such shims to the model's own lines.
 """
 
 from __future__ import annotations

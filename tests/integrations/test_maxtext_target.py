@@ -31,6 +31,18 @@ SMALL = dict(base_emb_dim=64, base_mlp_dim=128, base_moe_mlp_dim=128, num_expert
 CPU = dict(SMALL, max_target_length=128, ici_data_parallelism=2, ici_context_parallelism=4)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def jax_as_it_was():
+    """MaxText's trainer, imported by make_step, replaces `jax.lax.top_k` and
+    `jax.lax.with_sharding_constraint` with compat shims for the whole process (its tunix
+    adapter); the tests after these get JAX's own back."""
+    import jax
+
+    saved = jax.lax.top_k, jax.lax.with_sharding_constraint
+    yield
+    jax.lax.top_k, jax.lax.with_sharding_constraint = saved
+
+
 def _sets(options: dict) -> list[str]:
     return [w for k, v in options.items() for w in ("--set", f"{k}={json.dumps(v) if not isinstance(v, str) else v}")]
 
