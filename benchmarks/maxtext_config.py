@@ -1,0 +1,95 @@
+"""The reported MaxText problem in numbers: per-chip HBM against the context degree.
+
+"Run any model that uses RoutedMoE with ici_context_parallelism=4 and a sequence that does
+not fit on one device: out of HBM; raising ici_context_parallelism saves no memory." This
+script builds MaxText's real training step (`shardlint.integrations.maxtext:make_step`,
+MaxText's own config, mesh, shaped state and batch) for a Qwen3-Next-like config on a TPU
+topology through libtpu (ahead of time, no TPU attached), at ici_context_parallelism N with
+ici_tensor_parallelism filling the other chips (tensor parallelism does not shard the
+tokens, so each chip holds 1/N of them), and prints per chip, from the TPU compiler's
+memory analysis: arguments + outputs + temp, before and after `shardlint.rewrite`, with
+temp's ratio to the ideal (the N=1 temp / N), the all-gathers and MoE findings shardlint
+reports, and the wall time of each point (make the step, analyze, rewrite, analyze).
+
+The config: `model_name=qwen3-next-80b-a3b` (gated delta-net and full attention layers, a
+shared expert, RoPE) with fewer layers and experts and 4 KV heads (tensor parallelism over
+4 chips splits heads), bf16, one sequence of 8192 tokens,
+MaxText's dense MoE path (`sparse_matmul=false`, `capacity_factor=-1`: dropless), where
+the routing is computed on the gathered sequence. TPU devices only compile, so the
+rewrite is not verified by running it here (the CPU tests verify it on a small config).
+
+    pip install 'shardlint[maxtext,tpu]'        # Python 3.12+
+    python benchmarks/maxtext_config.py          # v5p:2x2x1, N = 1, 2, 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+import warnings
+
+CONFIG = dict(model_name="qwen3-next-80b-a3b", base_num_decoder_layers=4, num_experts=64, base_num_kv_heads=4,
+              num_experts_per_tok=8, vocab_size=32768, max_target_length=8192,
+              per_device_batch_size=1, dtype="bfloat16", weight_dtype="bfloat16",
+              sparse_matmul=False, capacity_factor=-1, scan_layers=True,
+              ici_fsdp_parallelism=1, override_model_config=True,
+              context_parallel_load_balance=False)   # GatedDeltaNet: device order is sequence order
+GIB = 2 ** 30
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--topology", default="v5p:2x2x1")
+    parser.add_argument("--context", default="1,2,4", help="context degrees, comma-separated")
+    parser.add_argument("--layers", type=int, default=CONFIG["base_num_decoder_layers"])
+    parser.add_argument("--seq", type=int, default=CONFIG["max_target_length"])
+    args = parser.parse_args(argv)
+    try:
+        import maxtext  # noqa: F401
+    except ImportError:
+        print("skip: MaxText is not installed (pip install 'shardlint[maxtext]', Python 3.12+)")
+        return 0
+
+    import shardlint
+    from shardlint.analyzer._compile import mesh_of
+    from shardlint.analyzer._topology import topology_devices
+    from shardlint.integrations.maxtext import make_step
+
+    devices = topology_devices(args.topology)
+    config = dict(CONFIG, base_num_decoder_layers=args.layers, max_target_length=args.seq)
+    print(f"MaxText {config['model_name']}-like: {args.layers} layers, {config['num_experts']} experts, "
+          f"top-{config['num_experts_per_tok']}, seq {args.seq}, {config['dtype']}, dense MoE path; "
+          f"{args.topology} ({len(devices)} chips), context N x tensor {len(devices)}/N; per chip, GiB")
+    print(f"{'N':>3} {'original':>9} {'temp':>7} {'x ideal':>8} {'AG':>4} {'moe lost':>8}   "
+          f"{'rewritten':>9} {'temp':>7} {'x ideal':>8} {'AG':>4} {'moe lost':>8} {'point s':>8}")
+    rows = []
+    for n in [int(v) for v in args.context.split(",")]:
+        start = time.perf_counter()
+        fn, step_args = make_step(devices=devices, **config, ici_context_parallelism=n,
+                                  ici_tensor_parallelism=len(devices) // n)
+        before = shardlint.analyze(fn, *step_args)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", shardlint.NothingToRewrite)   # N = 1: nothing lost
+            fixed = shardlint.rewrite(fn, mesh_of(step_args), args=step_args, analysis=before)
+        after = shardlint.analyze(fixed, *step_args)
+        rows.append((n, before, after, time.perf_counter() - start))
+        ideal = rows[0][1].memory.temp_bytes / n, rows[0][2].memory.temp_bytes / n
+        cells = []
+        for analysis, best in zip((before, after), ideal):
+            m = analysis.memory
+            moe = [f for f in analysis.findings if f.source and f.source.file.endswith("layers/moe.py")]
+            cells.append(f"{(m.argument_bytes + m.output_bytes + m.temp_bytes) / GIB:9.2f} "
+                         f"{m.temp_bytes / GIB:7.2f} {m.temp_bytes / best:8.2f} "
+                         f"{len(analysis.all_gathers()):4d} {len(moe):8d}")
+        print(f"{n:3d} {cells[0]}   {cells[1]} {rows[-1][3]:8.0f}", flush=True)
+    worst = max(after.memory.temp_bytes / (rows[0][2].memory.temp_bytes / n) for n, _, after, _ in rows)
+    slowest = max(seconds for *_, seconds in rows)
+    ok = worst <= 1.15
+    print(f"{'PASS' if ok else 'FAIL'}: rewritten temp <= 1.15 x ideal at every N (worst {worst:.2f}x); "
+          f"slowest point {slowest:.0f} s (goal: under 180 s)")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
