@@ -96,12 +96,11 @@ def user_frame(eqn) -> tuple[str, int] | None:
     of JAX's own (MaxText's compat shim around `jax.lax.top_k`), as the analyzer does."""
     from jax._src import source_info_util
 
-    from .analyzer._stack import jax_shims_in
+    from .analyzer._stack import is_jax_shim
 
     traceback = eqn.source_info.traceback
     frames = source_info_util.user_frames(traceback) if traceback else ()
-    frame = next((f for f in frames if f.function_name.rpartition(".")[2] not in jax_shims_in(f.file_name)),
-                 None)
+    frame = next((f for f in frames if not is_jax_shim(f.file_name, f.function_name)), None)
     return (frame.file_name, frame.start_line) if frame else None
 
 

@@ -87,8 +87,8 @@ def parse_stack_frames(lines: list[str]) -> dict[int, tuple[SourceLocation, ...]
 def user_stack(stack: tuple[SourceLocation, ...]) -> tuple[SourceLocation, ...]:
     """The frames of a stack that are the user's code (at most `MAX_FRAMES`, innermost
     first); the innermost frame if none is."""
-    kept = tuple(frame for frame in stack if not is_library_file(frame.file)
-                 and frame.function.rpartition(".")[2] not in jax_shims_in(frame.file))
+    kept = tuple(frame for frame in stack
+                 if not is_library_file(frame.file) and not is_jax_shim(frame.file, frame.function))
     return kept[:MAX_FRAMES] or tuple(stack[:1])
 
 
@@ -96,8 +96,13 @@ def user_stack(stack: tuple[SourceLocation, ...]) -> tuple[SourceLocation, ...]:
 _JAX_NAMESPACES = ("jax", "jax.lax", "jax.numpy", "jax.nn", "jax.random")
 
 
+def is_jax_shim(file: str, function: str) -> bool:
+    """Whether the frame's function (qualified or not) is installed in place of JAX's own."""
+    return function.rpartition(".")[2] in _jax_shims_in(file)
+
+
 @functools.lru_cache(maxsize=4096)
-def jax_shims_in(file: str) -> frozenset[str]:
+def _jax_shims_in(file: str) -> frozenset[str]:
     """Names of the functions in `file` that are installed in place of public JAX
     functions: MaxText wraps `jax.lax.top_k` and `with_sharding_constraint` in compat
     shims, so every top_k's innermost frame would be the shim, not the model's line.

@@ -67,14 +67,13 @@ def make_step(mesh=None, *, devices: Sequence[Any] | None = None,
     (default: `jax.devices()`); a `mesh` given must have MaxText's axes and sizes for this
     config (shardlint's CLI passes None under `--devices` and `--topology`).
     """
-    _require_maxtext()
-    from flax.core.spmd import logical_axis_rules
-
     import jax
 
     devices = list(devices) if devices is not None else (list(mesh.devices.flat) if mesh is not None
                                                          else jax.devices())
-    config = make_config(platform=devices[0].platform, **overrides)
+    config = make_config(platform=devices[0].platform, **overrides)   # says so if MaxText is missing
+    from flax.core.spmd import logical_axis_rules
+
     maxtext_mesh = _mesh(config, devices)
     if mesh is not None and dict(mesh.shape) != dict(maxtext_mesh.shape):
         raise MaxTextError(f"the mesh {dict(mesh.shape)} is not MaxText's for this config "
@@ -95,7 +94,12 @@ def make_step(mesh=None, *, devices: Sequence[Any] | None = None,
 
 def make_config(*, platform: str = "cpu", **overrides: Any):
     """MaxText's config: `base.yml` + shardlint's defaults for `platform` + `overrides`."""
-    return initialize({**_OUTSIDE_A_JOB, **(_ON_CPU if platform == "cpu" else {}), **overrides})
+    return initialize({**defaults(platform), **overrides})
+
+
+def defaults(platform: str) -> dict[str, Any]:
+    """The keys shardlint sets for a MaxText run outside a training job on `platform`."""
+    return {**_OUTSIDE_A_JOB, **(_ON_CPU if platform == "cpu" else {})}
 
 
 def initialize(keys: dict[str, Any], *, keep_maxtext_xla_flags: bool = False):

@@ -14,16 +14,15 @@ step is `value_and_grad` of mean(out**2) w.r.t. the parameters (and x with `grad
 `dtype` say the layer's shape; the default is the small float32 dropless MoE the tests use,
 with a global batch of 2 x the data degree. Nothing is set up at import time (device
 count, XLA flags): callers do that first. MaxText itself is imported lazily, inside the
-functions. Note that `pyconfig.initialize` calls `compilation_cache.set_cache_dir(jax_cache_dir)`
-(default "~/jax_cache"), which is process-wide and stays set: pass `jax_cache_dir=str(tmp_path)`
-to redirect it; `""` only skips the call (a folder set earlier stays). `scan_layers` is passed
+functions. Note that `pyconfig.initialize` calls `compilation_cache.set_cache_dir(jax_cache_dir)`,
+which is process-wide and stays set; shardlint's MaxText defaults (`maxtext.defaults`) pass
+`""`, which skips the call (a folder set earlier stays): pass `jax_cache_dir=str(tmp_path)` to
+turn MaxText's persistent cache on in a folder of your own. `scan_layers` is passed
 to the config only: one RoutedMoE does not read it.
 """
 
 from __future__ import annotations
 
-import os
-import tempfile
 from typing import Any, Callable, Sequence
 
 import jax
@@ -33,14 +32,11 @@ from ..examples.steps import Sizes
 
 ACTIVATION_AXES = ("activation_batch", "activation_length", "activation_embed")
 
-# Fixed for every size: a dropless (capacity_factor=-1) MoE of one Mixtral-style layer;
-# megablox and tokamax off so the sparse path uses `jax.lax.ragged_dot`, which compiles on CPU
-# (the TPU compiler takes it too).
-FIXED_CONFIG: dict[str, Any] = dict(
-    capacity_factor=-1.0, megablox=False, use_tokamax_gmm=False, base_num_decoder_layers=1,
-    decoder_block="mixtral", enable_checkpointing=False, skip_jax_distributed_system=True,
-    hardware="cpu", run_name="shardlint_moe", dataset_type="synthetic", log_config=False,
-)
+# Fixed for every size: a dropless (capacity_factor=-1) MoE of one Mixtral-style layer, on
+# shardlint's CPU defaults for MaxText (`maxtext.defaults`): megablox and tokamax off, so the
+# sparse path uses `jax.lax.ragged_dot`, which compiles on CPU (the TPU compiler takes it too).
+FIXED_CONFIG: dict[str, Any] = dict(capacity_factor=-1.0, base_num_decoder_layers=1,
+                                    decoder_block="mixtral", run_name="shardlint_moe")
 
 
 def small_sizes(data: int) -> Sizes:
@@ -68,11 +64,10 @@ def make_config(*, sparse: bool, scan_layers: bool = False, context: int = 4, da
     """
     from . import maxtext
 
-    kwargs = dict(FIXED_CONFIG, sparse_matmul=sparse, scan_layers=scan_layers,
-                  ici_data_parallelism=data, ici_context_parallelism=context,
-                  ici_fsdp_parallelism=1,
-                  **size_keys(sizes or small_sizes(data), dtype, len(jax.devices())),
-                  base_output_directory=os.path.join(tempfile.gettempdir(), "shardlint_maxtext"))
+    kwargs = dict(maxtext.defaults("cpu"), **FIXED_CONFIG, sparse_matmul=sparse,
+                  scan_layers=scan_layers, ici_data_parallelism=data,
+                  ici_context_parallelism=context, ici_fsdp_parallelism=1,
+                  **size_keys(sizes or small_sizes(data), dtype, len(jax.devices())))
     kwargs.update(overrides)
     return maxtext.initialize(kwargs, keep_maxtext_xla_flags=keep_maxtext_xla_flags)
 
