@@ -21,6 +21,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "Analysis": ("shardlint.analyzer", "Analysis"),
     "analyze": ("shardlint.analyzer", "analyze"),
+    "analyze_dump": ("shardlint.analyzer", "analyze_dump"),
     "rewrite": ("shardlint.rewrites", "rewrite"),
     "moe": ("shardlint.moe", None),
     "reports": ("shardlint.reports", None),

@@ -61,6 +61,17 @@ def trace(fn, args: tuple):
     return traced
 
 
+def parse_mlir_module(text: str):
+    """An MLIR module (StableHLO with sdy) parsed from text in a context that knows JAX's
+    dialects: `mlir.make_ir_context()` (private; the same in JAX 0.10.2 and 0.12.0.1).
+    The module keeps its context alive."""
+    from jax._src.interpreters import mlir
+    from jax.extend.mlir import ir
+
+    with mlir.make_ir_context():
+        return ir.Module.parse(text)
+
+
 def set_mesh(mesh):
     """`jax.set_mesh(mesh)` as a context manager (JAX 0.7+); a no-op context before."""
     set_mesh_fn = getattr(jax, "set_mesh", None)

@@ -18,8 +18,17 @@ def _progress(message: str) -> None:
 
 
 def _add_target(p: argparse.ArgumentParser) -> None:
-    p.add_argument("target", help="path/to/model.py:make_step or package.module:make_step; "
-                                  "called with the mesh, returns (step_fn, args)")
+    p.add_argument("target", nargs="?",
+                   help="path/to/model.py:make_step or package.module:make_step; "
+                        "called with the mesh, returns (step_fn, args)")
+    p.add_argument("--xla-dump", metavar="DIR",
+                   help="instead of a target: read what a real job compiled from the folder "
+                        "XLA_FLAGS=--xla_dump_to=DIR wrote (add --xla_dump_hlo_as_text "
+                        "--xla_dump_hlo_pass_re='shardy-xla|sharding-propagation' for the "
+                        "findings); --mesh names the axes of a GSPMD module")
+    p.add_argument("--module", metavar="NAME",
+                   help="with --xla-dump: the module to read (jit_train_step, or its number "
+                        "module_0012); default: the largest")
     where = p.add_mutually_exclusive_group()
     where.add_argument("--mesh", help="mesh axes in order, e.g. data=2,context=4; the target "
                                       "receives this mesh")
@@ -95,6 +104,39 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+# Options that need the step's Python; a dump holds only what XLA compiled.
+_NEEDS_A_TARGET = (("devices", "--devices"), ("options", "--set"), ("topology", "--topology"),
+                   ("rewrite", "--rewrite"), ("batch_axes", "--batch-axes"),
+                   ("seq_axes", "--seq-axes"), ("per_shard_capacity", "--per-shard-capacity"),
+                   ("sweep", "--sweep"))
+
+
+def _from_dump(args) -> bool:
+    """Whether the command reads an XLA dump; checks that target and options agree."""
+    if args.xla_dump is None:
+        if args.target is None:
+            raise UsageError("give a target (path/to/model.py:make_step) or --xla-dump DIR")
+        if args.module is not None:
+            raise UsageError("--module picks a module of an XLA dump: it needs --xla-dump DIR")
+        return False
+    if args.target is not None:
+        raise UsageError(f"give a target or --xla-dump, not both ({args.target}, --xla-dump "
+                         f"{args.xla_dump})")
+    used = [flag for attr, flag in _NEEDS_A_TARGET if getattr(args, attr, None)]
+    if used:
+        raise UsageError(f"{' and '.join(used)} {'needs' if len(used) == 1 else 'need'} the "
+                         f"step's Python (a target); an XLA dump holds only what XLA compiled")
+    return True
+
+
+def _analyze_dump(args):
+    from .analyzer import analyze_dump
+    from .commands._targets import parse_mesh_spec
+
+    mesh = parse_mesh_spec(args.mesh) if args.mesh else None
+    return analyze_dump(args.xla_dump, module=args.module, mesh=mesh, progress=_progress)
+
+
 def _load(args):
     from .commands._targets import (build_mesh, build_topology_mesh, check_mesh, make_step, mesh_of_args,
                                     parse_mesh_spec, parse_options, simulate_devices)
@@ -161,18 +203,22 @@ def _analyze(args) -> int:
     from .analyzer._fit import fit_of
     from .reports import format_scopes, format_text, write_json
 
+    from_dump = _from_dump(args)
     if args.json:
         _writable_file(args.json, "the analysis")
-    mesh, fn, step_args = _load(args)
-    if args.rewrite:
-        from .rewrites import rewrite
+    if from_dump:
+        analysis, title = _analyze_dump(args), ""
+    else:
+        mesh, fn, step_args = _load(args)
+        if args.rewrite:
+            from .rewrites import rewrite
 
-        fn = rewrite(fn, mesh, verify=_can_verify(args, True), args=step_args, progress=_progress,
-                     **_rewrite_options(args, mesh))
-    analysis = analyze(fn, *step_args, progress=_progress)
+            fn = rewrite(fn, mesh, verify=_can_verify(args, True), args=step_args,
+                         progress=_progress, **_rewrite_options(args, mesh))
+        analysis = analyze(fn, *step_args, progress=_progress)
+        title = args.target + (" (rewritten)" if args.rewrite else "")
     fit = fit_of(analysis, args.hbm_gib)
-    print(format_text(analysis, title=args.target + (" (rewritten)" if args.rewrite else ""),
-                      fit=fit))
+    print(format_text(analysis, title=title, fit=fit))
     if args.by_scope:
         print()
         print(format_scopes(analysis))
@@ -238,6 +284,13 @@ def _report(args) -> int:
     from .commands._targets import parse_options
     from .reports import write_html
 
+    if _from_dump(args):
+        _writable_file(args.out, "the report")
+        before = _analyze_dump(args)
+        write_html(before, None, path=args.out, title=args.xla_dump,
+                   rewrite_note="read from an XLA dump: the rewrite needs the step's Python")
+        _progress(f"wrote {args.out}")
+        return 1 if before.findings or not _report_fit(args, before, None) else 0
     if args.sweep and args.mesh is None:
         raise UsageError("--sweep needs --mesh: it re-runs the step with one mesh axis resized")
     _writable_file(args.out, "the report")
@@ -288,9 +341,19 @@ def _report_fit(args, before, after) -> bool:
 def _check(args) -> int:
     from .commands import run_check
 
+    from_dump = _from_dump(args)
     if args.update:
         _writable_file(args.baseline, "the baseline")
-    return run_check(args, load=_load, progress=_progress)
+
+    def analysis():
+        if from_dump:
+            return _analyze_dump(args)
+        from .analyzer import analyze
+
+        _mesh, fn, step_args = _load(args)
+        return analyze(fn, *step_args, progress=_progress)
+
+    return run_check(args, analysis_of=analysis, progress=_progress)
 
 
 def _demo(args) -> int:

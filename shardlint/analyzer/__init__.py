@@ -1,6 +1,7 @@
 """The analyzer: lower -> compile -> parse -> graph -> findings."""
 
 from ._analyze import analyze as analyze
+from ._analyze import analyze_dump as analyze_dump
 from ._collectives import collectives_of as collectives_of
 from ._devices import MeshInfo as MeshInfo
 from ._devices import Sharding as Sharding

@@ -1,4 +1,10 @@
-"""`analyze(fn, *args)`: lower, compile, parse, graph, explain; one compile, one result."""
+"""`analyze(fn, *args)` and `analyze_dump(folder)`: one explanation of a compiled step.
+
+A live step is lowered and compiled once (`_compile.compile_step`); a real job's
+`--xla_dump_to` folder is read as it is (`_dump.read_dump`, the function the live compile
+reads its own dump with). Both become a `Compiled` record, and from there one path parses
+the partitioned and propagated HLO, builds the graph and explains every collective.
+"""
 
 from __future__ import annotations
 
@@ -7,14 +13,20 @@ from typing import Callable
 import jax
 import jaxlib
 
+from .. import _jax
+from .._errors import AnalysisError
+from ._buffers import memory_of_buffer_assignment
 from ._causes import explain
 from ._collectives import collectives_of
-from ._compile import compile_step
+from ._compile import Compiled, compile_step
 from ._dataflow import input_marks
 from ._detect import find_lost_sharding
+from ._dump import read_dump
+from ._given import entry_marks_of_module, mesh_of_module
 from ._graph import build_graph
 from ._hlo import parse_hlo
 from ._model import Analysis, Memory
+from ._stablehlo import asked_for
 from ._topology import libtpu_version
 
 
@@ -33,14 +45,52 @@ def analyze(fn: Callable, *args, mesh=None, params_argnums: tuple[int, ...] | No
     the arguments, but the last, that the step returns with the same shapes.
     """
     compiled = compile_step(fn, args, mesh=mesh, progress=progress, params_argnums=params_argnums)
+    versions = {"jax": jax.__version__, "jaxlib": jaxlib.__version__,
+                **({"libtpu": libtpu_version()} if compiled.topology else {})}
+    return _explain(compiled, versions, progress)
+
+
+def analyze_dump(folder: str, *, module: str | None = None, mesh: dict[str, int] | None = None,
+                 progress: Callable[[str], None] | None = None) -> Analysis:
+    """Analyzes the training step a real job compiled, from the folder that
+    `XLA_FLAGS="--xla_dump_to=DIR --xla_dump_hlo_as_text --xla_dump_hlo_pass_re=shardy-xla|sharding-propagation"`
+    wrote (see `shardlint.analyzer._dump`).
+
+    `module` picks the module (its name, e.g. `jit_train_step`, or its number,
+    `module_0012`) when the folder holds more than one large one. `mesh` (axis -> size) is
+    needed only for GSPMD modules, which name no mesh axes. What the folder lacks is listed
+    in `Analysis.unread`. Without the traced program, a dump cannot say which dots were a
+    `ragged_dot` on XLA:CPU (it lowers them to dense dots), nor what the partitioner logged.
+    """
+    dumped = read_dump(folder, module)
+    if progress:
+        progress(f"reading {dumped.stem} ({dumped.platform}) from {folder}")
+    given = parse_hlo(dumped.given) if dumped.given is not None else None
+    header = (dumped.given or dumped.partitioned).split("\n", 1)[0]
+    compiled = Compiled(
+        dumped=dumped,
+        mesh=mesh_of_module(header, dumped.stablehlo, mesh),
+        memory=(memory_of_buffer_assignment(dumped.buffer_assignment, f"{dumped.stem}'s buffer assignment")
+                if dumped.buffer_assignment is not None else Memory(0, 0, 0, 0, None, None)),
+        partitioner=("shardy" if "xla.sdy.meshes" in header or dumped.propagation_pass == "shardy-xla"
+                     else "gspmd"),
+        platform=dumped.platform,
+        asked=_asked_in(dumped),
+        entry_marks=entry_marks_of_module(given),
+    )
+    return _explain(compiled, {}, progress)
+
+
+def _explain(compiled: Compiled, versions: dict[str, str], progress) -> Analysis:
     if progress:
         progress("reading XLA's propagated shardings and collectives")
-    partitioned = parse_hlo(compiled.partitioned_hlo)
+    dumped = compiled.dumped
+    partitioned = parse_hlo(dumped.partitioned)
     collectives = collectives_of(partitioned, compiled.mesh)
     marks = input_marks(partitioned, compiled.entry_marks)
     drops, requested, graph = (), (), None
-    if compiled.propagated_hlo is not None:
-        graph = build_graph(parse_hlo(compiled.propagated_hlo), compiled.mesh,
+    if dumped.propagated is not None:
+        graph = build_graph(parse_hlo(dumped.propagated), compiled.mesh,
                             compiled.grouped_matmul_sources)
         asked_lines = frozenset(
             (a.file, a.line) for a in compiled.asked if a.op in ("sharding_constraint", "reshard"))
@@ -51,33 +101,24 @@ def analyze(fn: Callable, *args, mesh=None, params_argnums: tuple[int, ...] | No
         compiled.remats, compiled.mesh.as_dict())
     return Analysis(
         mesh=compiled.mesh.as_dict(),
-        memory=_memory(compiled),
+        memory=compiled.memory,
         collectives=collectives,
         findings=findings,
         requested=requested,
-        versions={"jax": jax.__version__, "jaxlib": jaxlib.__version__,
-                  **({"libtpu": libtpu_version()} if compiled.topology else {})},
+        versions=versions,
         partitioner=compiled.partitioner,
         platform=compiled.platform,
         topology=compiled.topology,
+        dump=None if compiled.mesh_object is not None else dumped.folder,
+        unread=() if compiled.mesh_object is not None else dumped.unread(),
     )
 
 
-def _memory(compiled) -> Memory:
-    stats = compiled.memory
-    flops = compiled.cost.get("flops")
-    if stats is None:
-        return Memory(0, 0, 0, 0, None, flops)
-    # XLA:CPU reports a "peak" below the temp buffers it allocates (not a per-device peak);
-    # a peak is kept only where the platform computes one that covers them (TPU).
-    peak = getattr(stats, "peak_memory_in_bytes", None)
-    if peak is not None and peak < stats.temp_size_in_bytes:
-        peak = None
-    return Memory(
-        argument_bytes=int(stats.argument_size_in_bytes),
-        output_bytes=int(stats.output_size_in_bytes),
-        temp_bytes=int(stats.temp_size_in_bytes),
-        alias_bytes=int(stats.alias_size_in_bytes),
-        peak_bytes=int(peak) if peak else None,
-        flops=float(flops) if flops is not None else None,
-    )
+def _asked_in(dumped) -> tuple:
+    if dumped.stablehlo is None:
+        return ()
+    try:
+        return asked_for(_jax.parse_mlir_module(dumped.stablehlo))
+    except Exception as e:  # MLIR's parser raises its own error types
+        raise AnalysisError(f"{dumped.stem}/module.mlir is not StableHLO this JAX can read "
+                            f"({type(e).__name__}: {str(e).splitlines()[0][:200]})") from None

@@ -1,11 +1,14 @@
 """Lower and compile a step once, keeping everything XLA tells us about it.
 
-One compile yields all the analysis reads: the HLO right after sharding propagation
-(XLA's own propagated shardings, from a per-compile dump into a temporary folder that is
-removed afterwards), the partitioned and optimised HLO with every collective,
-`memory_analysis()`, `cost_analysis()`, and what XLA's partitioner logged on C++ stderr.
-The dump is restricted to the propagation pass so the overhead over a bare compile stays
-small (see benchmarks/analysis_overhead.py).
+One compile yields all the analysis reads. The compiled texts come from a per-compile
+dump into a temporary folder (removed afterwards), read back by `_dump.read_dump`, the
+function that reads a real job's `--xla_dump_to` folder: the HLO right after sharding
+propagation (XLA's own propagated shardings) and the partitioned, optimised HLO with
+every collective. The live compile adds what only it has: `memory_analysis()`,
+`cost_analysis()`, the traced program (grouped matmuls, which arguments are parameters,
+what the code asked for) and what XLA's partitioner logged on C++ stderr. The dump is
+restricted to the propagation pass so the overhead over a bare compile stays small (see
+benchmarks/analysis_overhead.py).
 
 The compile never touches JAX's persistent compilation cache: its key ignores the dump
 options, so a hit would skip the passes whose output the analysis reads.
@@ -14,8 +17,6 @@ options, so a hit would skip the passes whose output the analysis reads.
 from __future__ import annotations
 
 import dataclasses
-import os
-import re
 import shutil
 import tempfile
 from typing import Any, Callable
@@ -27,30 +28,29 @@ from .. import _jax
 from .._errors import AnalysisError
 from ._dataflow import DATA, WEIGHTS
 from ._devices import MeshInfo
+from ._dump import PROPAGATION_PASSES, DumpedModule, read_dump
 from ._jaxpr import grouped_matmul_sources
+from ._model import Memory
 from ._stablehlo import Asked, asked_for
 from ._topology import check_libtpu, topology_of
 from ._xla_log import Remat, captured_stderr, involuntary_rematerializations
 
-# Shardy exports its result to HLO as `after_shardy-xla`; GSPMD's pass is
-# `sharding-propagation` (run more than once; the last run is XLA's final answer).
-_PROPAGATION_PASSES = "shardy-xla|sharding-propagation"
 # Per-compile options override XLA_FLAGS: a module filter set there (MaxText's config sets
 # `--xla_dump_hlo_module_re=jit_train_step`) must not hide this step's module.
-_DUMP_OPTIONS = {"xla_dump_hlo_pass_re": _PROPAGATION_PASSES, "xla_dump_hlo_module_re": ".*",
+_DUMP_OPTIONS = {"xla_dump_hlo_pass_re": PROPAGATION_PASSES, "xla_dump_hlo_module_re": ".*",
                  "xla_dump_hlo_as_text": True}
 
 
 @dataclasses.dataclass(frozen=True)
 class Compiled:
-    propagated_hlo: str | None
-    partitioned_hlo: str
+    """Everything the analysis reads about one compiled step, live or from a dump."""
+
+    dumped: DumpedModule             # the texts XLA wrote (propagated, partitioned, ...)
     mesh: MeshInfo
-    memory: Any
-    cost: dict
+    memory: Memory
     partitioner: str
     platform: str
-    grouped_matmul_sources: frozenset
+    grouped_matmul_sources: frozenset = frozenset()  # (file, line) of ragged_dot & co (live)
     asked: tuple[Asked, ...] = ()
     topology: str | None = None      # TPU topology of compile-only devices (libtpu AOT)
     entry_marks: dict[int, int] = dataclasses.field(default_factory=dict)  # parameter -> DATA/WEIGHTS
@@ -101,18 +101,17 @@ def compile_step(fn: Callable, args: tuple, mesh=None, progress=None,
             except Exception as e:
                 raise AnalysisError(f"XLA could not compile the step on mesh "
                                     f"{info.as_dict()}: {type(e).__name__}: {e}") from e
-        propagated = _read_propagated(dump_dir, info.num_devices)
+        dumped = read_dump(dump_dir)
     finally:
         shutil.rmtree(dump_dir, ignore_errors=True)
-    cost = compiled.cost_analysis()
-    if isinstance(cost, (list, tuple)):  # older jaxlib returns one dict per program
-        cost = cost[0] if cost else {}
+    if dumped.propagated is None and info.num_devices > 1:
+        raise AnalysisError(
+            "XLA wrote no module after sharding propagation; is the step sharded over more "
+            "than one device?")
     return Compiled(
-        propagated_hlo=propagated,
-        partitioned_hlo=compiled.as_text(),
+        dumped=dumped,
         mesh=info,
-        memory=compiled.memory_analysis(),
-        cost=dict(cost or {}),
+        memory=memory_of(compiled),
         partitioner="shardy" if jax.config.jax_use_shardy_partitioner else "gspmd",
         platform=mesh.devices.flat[0].platform,
         grouped_matmul_sources=grouped_matmul_sources(traced.jaxpr),
@@ -162,17 +161,25 @@ def _is_float(leaf) -> bool:
     return dtype is not None and jax.numpy.issubdtype(dtype, jax.numpy.floating)
 
 
-def _read_propagated(dump_dir: str, num_devices: int) -> str | None:
-    """The HLO text after the last sharding-propagation pass of the first module."""
-    files = sorted(f for f in os.listdir(dump_dir)
-                   if f.endswith(".txt") and re.search(r"after_(shardy-xla|sharding-propagation)\.", f))
-    if not files and num_devices == 1:
-        return None  # one device: XLA does not partition, nothing can be lost
-    if not files:
-        raise AnalysisError(
-            "XLA wrote no module after sharding propagation; is the step sharded over more "
-            f"than one device? (dump: {sorted(os.listdir(dump_dir))[:5]})")
-    first_module = files[0].split(".")[0]
-    mine = [f for f in files if f.startswith(first_module + ".")]
-    with open(os.path.join(dump_dir, mine[-1])) as fh:
-        return fh.read()
+def memory_of(compiled) -> Memory:
+    """`memory_analysis()` and the flops of `cost_analysis()` as a `Memory` record."""
+    stats = compiled.memory_analysis()
+    cost = compiled.cost_analysis()
+    if isinstance(cost, (list, tuple)):  # older jaxlib returns one dict per program
+        cost = cost[0] if cost else {}
+    flops = (cost or {}).get("flops")
+    if stats is None:
+        return Memory(0, 0, 0, 0, None, flops)
+    # XLA:CPU reports a "peak" below the temp buffers it allocates (not a per-device peak);
+    # a peak is kept only where the platform computes one that covers them (TPU).
+    peak = getattr(stats, "peak_memory_in_bytes", None)
+    if peak is not None and peak < stats.temp_size_in_bytes:
+        peak = None
+    return Memory(
+        argument_bytes=int(stats.argument_size_in_bytes),
+        output_bytes=int(stats.output_size_in_bytes),
+        temp_bytes=int(stats.temp_size_in_bytes),
+        alias_bytes=int(stats.alias_size_in_bytes),
+        peak_bytes=int(peak) if peak else None,
+        flops=float(flops) if flops is not None else None,
+    )

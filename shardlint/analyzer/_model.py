@@ -144,6 +144,8 @@ class Analysis:
     partitioner: str             # "shardy" or "gspmd"
     platform: str = "cpu"
     topology: str | None = None
+    dump: str | None = None         # the XLA dump folder it was read from (None: a live compile)
+    unread: tuple[str, ...] = ()    # what that folder lacked and what that leaves unsaid
 
     def all_gathers(self) -> tuple[Collective, ...]:
         return tuple(c for c in self.collectives if c.kind == "all-gather")
@@ -194,6 +196,8 @@ class Analysis:
             partitioner=doc["partitioner"],
             platform=doc.get("platform", "cpu"),
             topology=doc.get("topology"),
+            dump=doc.get("dump"),
+            unread=tuple(doc.get("unread", ())),
         )
 
 

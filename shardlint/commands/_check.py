@@ -19,34 +19,37 @@ from ..gate._formats import render
 from ..gate._gate import BaselineRef, default_root, record
 from ..gate._wording import headline
 
-def update_command(target: str, mesh: str | None, baseline: str, root: str | None = None,
+def update_command(target: str | None, mesh: str | None, baseline: str, root: str | None = None,
                    devices: int | None = None, options: list[str] | None = None,
-                   topology: str | None = None) -> str:
+                   topology: str | None = None, xla_dump: str | None = None,
+                   module: str | None = None) -> str:
     where = (["--mesh", mesh] if mesh is not None else
              ["--devices", str(devices)] if devices is not None else [])
     where += ["--topology", topology] if topology else []
     where += [w for option in options or () for w in ("--set", option)]
-    words = ["shardlint", "check", target, *where, "--baseline", baseline]
+    source = [target] if target is not None else ["--xla-dump", xla_dump]
+    source += ["--module", module] if module else []
+    words = ["shardlint", "check", *source, *where, "--baseline", baseline]
     words += ["--root", root] if root else []
     return " ".join(shlex.quote(w) for w in words) + " --update"
 
 
-def run_check(args, *, load: Callable, progress: Callable[[str], None],
+def run_check(args, *, analysis_of: Callable, progress: Callable[[str], None],
               out: Callable[[str], None] = print) -> int:
-    """args: target, mesh, baseline, update, format, kinds, tolerance, root (argparse).
-    `load(args)` returns (mesh, fn, step_args). Returns the exit code: 0 passed or
-    recorded, 1 a watched collective is new or grew; errors raise ShardlintError (2)."""
-    from ..analyzer import analyze
+    """args: target or xla_dump, mesh, baseline, update, format, kinds, tolerance, root
+    (argparse). `analysis_of()` analyzes the step (or reads its dump) once the options and
+    the baseline are known to be good. Returns the exit code: 0 passed or recorded, 1 a
+    watched collective is new or grew; errors raise ShardlintError (2)."""
     from ..analyzer._collectives import KINDS
 
     kinds = parse_kinds(args.kinds)
     tolerance = parse_tolerance(args.tolerance)
     root = os.path.abspath(args.root) if args.root else default_root()
     hint = update_command(args.target, args.mesh, args.baseline, args.root, args.devices,
-                          args.options, getattr(args, "topology", None))
+                          args.options, getattr(args, "topology", None),
+                          getattr(args, "xla_dump", None), getattr(args, "module", None))
     before = None if args.update else read_baseline(args.baseline, how_to_create=hint)
-    _mesh, fn, step_args = load(args)
-    analysis = analyze(fn, *step_args, progress=progress)
+    analysis = analysis_of()
     if not args.update:
         if before.mesh and dict(before.mesh) != dict(analysis.mesh):
             raise BaselineError(
@@ -63,7 +66,8 @@ def run_check(args, *, load: Callable, progress: Callable[[str], None],
     except BaselineError:
         previous = None
     written: list[str] = []
-    baseline = record(analysis, BaselineRef(args.baseline, update=True, target=args.target,
+    baseline = record(analysis, BaselineRef(args.baseline, update=True,
+                                            target=args.target or f"--xla-dump {args.xla_dump}",
                                             on_write=written.append), root)
     what = (f"{len(baseline.entries)} collective key(s) on mesh {mesh_text(baseline.mesh)}, "
             f"jax {baseline.jax}")

@@ -18,7 +18,11 @@ def format_text(analysis: Analysis, title: str = "", fit=None) -> str:
         return frames_text(record.stack, helpers, record.source)
 
     lines = [f"shardlint: {title + ' ' if title else ''}on mesh {mesh_text(analysis.mesh)} "
-             f"({_compiler(analysis)}, {analysis.partitioner}, jax {analysis.versions.get('jax', '?')})", ""]
+             f"({_compiler(analysis)}, {analysis.partitioner}"
+             + (f", jax {analysis.versions['jax']})" if "jax" in analysis.versions
+                else f", read from the XLA dump {analysis.dump})" if analysis.dump else ")")]
+    lines += [f"  not in the dump: {note}" for note in analysis.unread]
+    lines.append("")
     if analysis.findings:
         lines.append(f"{len(analysis.findings)} finding(s): sharding lost")
         for i, f in enumerate(analysis.findings, 1):

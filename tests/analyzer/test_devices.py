@@ -90,7 +90,7 @@ def test_parameter_shardings_that_jax_printed_decode_to_the_spec(shape, names, s
     mesh = jax.make_mesh(shape, names, axis_types=(AxisType.Auto,) * len(names))
     x = jax.ShapeDtypeStruct((8, 8, 8), jnp.float32, sharding=NamedSharding(mesh, spec))
     compiled = compile_step(lambda x: x * 2, (x,))
-    module = parse_hlo(compiled.propagated_hlo)
+    module = parse_hlo(compiled.dumped.propagated)
     param = next(i for i in module.entry.instructions if i.opcode == "parameter")
     decoded = parse_sharding(param.sharding, MeshInfo.from_mesh(mesh), 3)
     want = tuple(() if s is None else (s,) if isinstance(s, str) else tuple(s) for s in spec)

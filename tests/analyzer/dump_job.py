@@ -1,0 +1,54 @@
+"""A training job that writes an XLA dump, run in its own process as a user's job runs.
+
+    XLA_FLAGS="--xla_dump_to=DIR ..." python tests/analyzer/dump_job.py STEP AXES [TOPOLOGY]
+
+STEP is `steps.make_<name>` (shardlint/examples/steps.py) or `cause_steps.make_<name>`
+(tests/analyzer/cause_steps.py), AXES a mesh such as data=2,context=4. On CPU the job puts random arrays on the
+mesh and runs the step (jitted as the user wrote it, or by `jax.jit`), so the dump holds
+what a real job compiles, its small helper modules (device_put, random) included. With a
+TPU topology (libtpu AOT) it compiles the step, as nothing can run there.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import jax
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout, for `tests.`
+
+
+def build(step_name: str, axes: dict[str, int], topology: str | None):
+    from jax.sharding import AxisType
+
+    from shardlint.examples import steps
+    from tests.analyzer import cause_steps  # the checkout's tests, as a package
+
+    if topology:
+        from shardlint.analyzer._topology import topology_mesh
+
+        mesh = topology_mesh(axes, topology)
+    else:
+        mesh = jax.make_mesh(tuple(axes.values()), tuple(axes), axis_types=(AxisType.Auto,) * len(axes))
+    module, function = step_name.split(".")
+    return getattr({"steps": steps, "cause_steps": cause_steps}[module], function)(mesh)
+
+
+def run(step_name: str, axes: dict[str, int], topology: str | None = None) -> None:
+    step, args = build(step_name, axes, topology)
+    jitted = step if hasattr(step, "lower") else jax.jit(step)
+    if topology:
+        jitted.lower(*args).compile()
+        return
+    # Initialised with jax.random as training code does: small jit modules of its own.
+    keys = iter(jax.random.split(jax.random.key(0), len(jax.tree.leaves(args))))
+    arrays = jax.tree.map(
+        lambda a: jax.device_put(jax.random.normal(next(keys), a.shape, a.dtype), a.sharding), args)
+    jax.block_until_ready(jitted(*arrays))
+
+
+if __name__ == "__main__":
+    name, spec, *rest = sys.argv[1:]
+    mesh_axes = {k: int(v) for k, v in (part.split("=") for part in spec.split(","))}
+    run(name, mesh_axes, rest[0] if rest else None)
