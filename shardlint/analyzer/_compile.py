@@ -99,8 +99,7 @@ def compile_step(fn: Callable, args: tuple, mesh=None, progress=None,
                 with _jax.persistent_cache_off(), captured_stderr() as log:
                     compiled = lowered.compile(compiler_options=_DUMP_OPTIONS | {"xla_dump_to": dump_dir})
             except Exception as e:
-                raise AnalysisError(f"XLA could not compile the step on mesh "
-                                    f"{info.as_dict()}: {type(e).__name__}: {e}") from e
+                raise compile_error(e, info, topology) from e
         dumped = read_dump(dump_dir)
     finally:
         shutil.rmtree(dump_dir, ignore_errors=True)
@@ -121,6 +120,21 @@ def compile_step(fn: Callable, args: tuple, mesh=None, progress=None,
         remats=involuntary_rematerializations(log.text),
         mesh_object=mesh,
     )
+
+
+def compile_error(error: Exception, info: MeshInfo, topology: str | None) -> AnalysisError:
+    """The compiler's refusal as one error. Out of memory (`RESOURCE_EXHAUSTED`, which
+    libtpu raises when the step cannot fit a chip's HBM) says so in one line: the
+    compiler's first line, which has the numbers, not the buffer listing after it."""
+    text = str(error).strip()
+    if "RESOURCE_EXHAUSTED" not in text:
+        return AnalysisError(f"XLA could not compile the step on mesh {info.as_dict()}: "
+                             f"{type(error).__name__}: {text}")
+    where = f"the chips of {topology}" if topology else f"{info.num_devices} devices"
+    first = text.splitlines()[0].split("RESOURCE_EXHAUSTED:", 1)[-1].strip()
+    return AnalysisError(f"the step does not fit {where} on mesh {info.as_dict()}: {first}; "
+                         f"shard it over more devices (a larger mesh or topology), or make "
+                         f"the batch or sequence smaller")
 
 
 def _entry_marks(traced, lowered, params_argnums) -> dict[int, int]:

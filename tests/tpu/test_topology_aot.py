@@ -160,3 +160,21 @@ def test_sweep_points_are_compiled_for_the_topology():
                       build_mesh=lambda axes: build_topology_mesh(axes, TOPOLOGY))
     for point in sweep["points"]:
         assert point["before"].platform == "tpu" and point["before"].topology == TOPOLOGY
+
+
+def test_a_step_that_does_not_fit_the_chip_is_one_line(capsys, tmp_path):
+    """libtpu refuses a step whose temporaries exceed a v5p chip's 95.74 GiB of HBM
+    (`RESOURCE_EXHAUSTED`): one line with the compiler's numbers, exit 2."""
+    model = tmp_path / "huge.py"
+    model.write_text(
+        "import jax, jax.numpy as jnp\n"
+        "from jax.sharding import NamedSharding, PartitionSpec as P\n"
+        "def make_step(mesh):\n"
+        "    x = jax.ShapeDtypeStruct((200_000, 200_000), jnp.float32,\n"
+        "                             sharding=NamedSharding(mesh, P()))\n"
+        "    return (lambda x: (jnp.sin(x) @ jnp.cos(x)).sum()), (x,)\n")
+    code = main(["analyze", f"{model}:make_step", "--topology", "v5p:1x1x1", "--mesh", "data=1"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2
+    assert err[-1].startswith("shardlint: error: the step does not fit the chips of v5p:1x1x1")
+    assert "exceeds available HBM" in err[-1] and "shard it over more devices" in err[-1]
