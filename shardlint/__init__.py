@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib
 
 from ._errors import AnalysisError as AnalysisError
+from ._errors import HloParseError as HloParseError
 from ._errors import NothingToRewrite as NothingToRewrite
 from ._errors import RewriteError as RewriteError
 from ._errors import ShardlintError as ShardlintError
@@ -30,7 +31,7 @@ _LAZY = {
     "examples": ("shardlint.examples", None),
 }
 
-__all__ = ["AnalysisError", "NothingToRewrite", "RewriteError", "ShardlintError", "UsageError", *_LAZY]
+__all__ = ["AnalysisError", "HloParseError", "NothingToRewrite", "RewriteError", "ShardlintError", "UsageError", *_LAZY]
 
 
 def __getattr__(name: str):

@@ -16,6 +16,26 @@ class AnalysisError(ShardlintError):
     """The step could not be lowered or compiled as given (arguments, mesh, tracing)."""
 
 
+class HloParseError(AnalysisError):
+    """HLO text that cannot be read: truncated, edited, or printed by an XLA version whose
+    text shardlint does not know. Names the line (1-based), a short excerpt of it and what
+    was expected there."""
+
+    EXCERPT_CHARS = 120
+
+    def __init__(self, expected: str, found: str | None, line: int | None = None):
+        self.expected, self.found, self.line = expected, found, line
+        where = f"HLO line {line}" if line is not None else "HLO text"
+        super().__init__(f"{where}: expected {expected}; found {_excerpt(found, self.EXCERPT_CHARS)}")
+
+
+def _excerpt(text: str | None, limit: int) -> str:
+    if text is None:
+        return "the end of the text"
+    text = " ".join(text.split())
+    return repr(text if len(text) <= limit else text[:limit - 3] + "...")
+
+
 class RewriteError(ShardlintError):
     """A step that cannot be rewritten safely, or whose rewrite changed the numbers."""
 
