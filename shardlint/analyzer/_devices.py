@@ -171,7 +171,8 @@ def parse_tuple_sharding(text: str | None, mesh: MeshInfo, ranks: list[int]) -> 
     body = text.strip()
     if not re.match(r"\{\s*\{", body):
         return [parse_sharding(body, mesh, r) for r in ranks]
-    parts = _top_level_parts(body[1:-1])
+    # XLA marks every fifth element with `/*index=5*/`; the element follows the comment.
+    parts = [re.sub(r"^/\*index=\d+\*/", "", p) for p in _top_level_parts(body[1:-1])]
     return [parse_sharding(p, mesh, r) for p, r in zip(parts, ranks)] + [None] * (len(ranks) - len(parts))
 
 

@@ -35,7 +35,7 @@ _DTYPE_BYTES = {
 _ARRAY_RE = re.compile(r"([a-z][a-z0-9]*)\[([^\]]*)\]")
 _INSTR_RE = re.compile(r"^\s*(ROOT\s+)?%?([^\s=]+)\s*=\s*(.*)$")
 _COMP_RE = re.compile(r"^(ENTRY\s+)?%?([^\s(]+)\s.*\{\s*$")
-_OPERAND_RE = re.compile(r"%([^\s,()]+)")
+_OPERAND_RE = re.compile(r"%([^\s,(){}]+)")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -9,6 +9,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from shardlint.analyzer import MeshInfo, collectives_of, parse_hlo
+from shardlint.analyzer._devices import parse_tuple_sharding
 from shardlint.analyzer._hlo import _parse_attrs
 
 from . import collective_steps
@@ -229,3 +230,28 @@ ENTRY %main (p: (s32[], f32[4])) -> f32[4] {
     (param, out) = parse_hlo(text).entry.instructions
     assert param.parameter_number == 0 and param.operands == ()
     assert out.operands == ("p",) and out.operand_indices == (1,)
+
+
+def test_tuple_sharding_elements_after_an_index_comment_decode():
+    # XLA prints `/*index=5*/` before every fifth element of a tuple (a while loop's carry).
+    text = "{{replicated}, {replicated}, {replicated}, {replicated}, {replicated}, " \
+           "/*index=5*/{devices=[2,4]<=[8]}}"
+    shardings = parse_tuple_sharding(text, MeshInfo(("data", "context"), (2, 4)), [0] * 5 + [2])
+    assert shardings[5].dims == (("data",), ("context",))
+
+
+def test_called_computations_in_braces_are_named_without_the_brace():
+    text = """HloModule m
+
+%cmp (a: f32[], b: f32[]) -> pred[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %lt = pred[] compare(%a, %b), direction=LT
+}
+
+ENTRY %main (p: f32[8]) -> f32[8] {
+  %p = f32[8]{0} parameter(0)
+  ROOT %sorted = f32[8]{0} custom-call(%p), custom_call_target="Sort", called_computations={%cmp}
+}
+"""
+    assert parse_hlo(text).entry.root.called == ("cmp",)
