@@ -8,6 +8,11 @@ XLA's own names (`mesh['axis_0'=2,'axis_1'=4] {'axis_1'}`, JAX 0.10) or the user
 matched against the real mesh, so nothing depends on how XLA chose to name or factor the
 axes. Logical device id `i` is position `i` of the mesh's flattened device array, which is
 the device assignment JAX compiles with.
+
+Text that none of these forms reads, or that names devices the mesh does not have, raises
+`HloParseError`; the text `_hlo.Instruction` hands over (`_hlo.AttrText`) carries its key
+and line for the message. A sharding in a form this module does not know at all is None,
+as before: the analysis then reads that op as unknown.
 """
 
 from __future__ import annotations
@@ -19,7 +24,25 @@ import re
 
 import numpy as np
 
+from .._errors import HloParseError
+from ._hlo import AttrText
+
 Axes = tuple[str, ...]
+
+_INTS = r"\d+(?:,\d+)*"
+_IOTA_GROUPS_RE = re.compile(rf"\[({_INTS})\]<=\[({_INTS})\](?:T\(({_INTS})\))?")
+_GROUP = r"\{\s*(?:\d+(?:\s*,\s*\d+)*)?\s*\}"
+_LIST_GROUPS_RE = re.compile(rf"\{{\s*(?:{_GROUP}(?:\s*,\s*{_GROUP})*)?\s*\}}")
+_PAIRS_RE = re.compile(r"\{\s*(?:\{\d+,\d+\}(?:\s*,\s*\{\d+,\d+\})*)?\s*\}")
+_TILED_RE = re.compile(rf"devices=\[({_INTS})\](?:<=\[({_INTS})\](?:T\(({_INTS})\))?|({_INTS}))(.*)",
+                       re.DOTALL)
+# `mesh['data'=2,'context'=4]`, optionally `, device_ids=[...]` or `, device_ids=([..]T(..))`.
+_MESH_RE = re.compile(r"mesh\[((?:'[^']+'=\d+(?:,\s*'[^']+'=\d+)*)?)\]"
+                      r"(?:,\s*device_ids=(?:\[(\s*\d+(?:\s*,\s*\d+)*\s*)\]"
+                      rf"|\(\[({_INTS})\](?:T\(({_INTS})\))?\)))?")
+_AXES_RE = re.compile(r"\s*(?:\{\s*((?:'[^']+'(?:\s*,\s*'[^']+')*)?)\s*\})?")
+_DIM_LIST_RE = re.compile(r"\[\s*(?:\{[^{}]*\}(?:\s*,\s*\{[^{}]*\})*)?\s*\]")
+_NAMED_DIM_RE = re.compile(r"\s*(?:'[^']+'(?::\(\d+\)\d+)?(?:\s*,\s*'[^']+'(?::\(\d+\)\d+)?)*)?\s*")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,31 +117,44 @@ def axes_of_groups(mesh: MeshInfo, groups: list[list[int]]) -> Axes | None:
 
 def parse_replica_groups(text: str, num_devices: int) -> list[list[int]]:
     """Device-id groups from any of XLA's `replica_groups=` / pair notations."""
-    text = text.strip()
-    if text.startswith("mesh["):
-        ids, axes_listed = _printed_mesh(text)
-        names = list(ids.keys())
-        arr = _iota_devices(text, [ids[n] for n in names])
-        keep = [i for i, n in enumerate(names) if n in axes_listed]
-        rest = [i for i in range(len(names)) if i not in keep]
-        arr = arr.transpose(rest + keep).reshape(-1, math.prod(ids[names[i]] for i in keep) if keep else 1)
-        return arr.tolist()
-    m = re.match(r"\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", text)
+    body = text.strip()
+    if body.startswith("mesh["):
+        names, sizes, devices, rest = _printed_mesh(text, body, num_devices)
+        m = _AXES_RE.fullmatch(rest)
+        listed = re.findall(r"'([^']+)'", m.group(1) or "") if m else None
+        if listed is None or not set(listed) <= set(names):
+            raise _unreadable(text, f"the collective's axes after the mesh, `{{'name',...}}` of "
+                                    f"{', '.join(names)}")
+        keep = [i for i, n in enumerate(names) if n in listed]
+        rest_axes = [i for i in range(len(names)) if i not in keep]
+        width = math.prod(sizes[i] for i in keep)
+        return devices.transpose(rest_axes + keep).reshape(-1, width).tolist()
+    m = _IOTA_GROUPS_RE.fullmatch(body)
     if m:
-        shape = [int(x) for x in m.group(1).split(",")]
-        arr = _iota(m.group(2), m.group(3)).reshape(shape)
-        return arr.reshape(-1, shape[-1]).tolist()
-    groups = [[int(x) for x in g.split(",") if x.strip()] for g in re.findall(r"\{([\d,\s]*)\}", text)]
-    groups = [g for g in groups if g]
+        shape = _ints(m.group(1))
+        arr = _iota(text, m.group(2), m.group(3))
+        if 0 in shape or math.prod(shape) != arr.size:
+            raise _unreadable(text, f"groups `[G,S]<=[N]` of as many devices as the iota ({arr.size})")
+        groups = arr.reshape(-1, shape[-1]).tolist()
+    elif _LIST_GROUPS_RE.fullmatch(body):
+        groups = [[int(x) for x in g.split(",") if x.strip()] for g in re.findall(r"\{([\d,\s]*)\}", body)]
+        groups = [g for g in groups if g]
+    else:
+        raise _unreadable(text, "replica groups `{{0,1},...}`, `[G,S]<=[N]` or `mesh[...] {...}`")
+    _check_devices(text, [d for g in groups for d in g], num_devices)
     return groups or [list(range(num_devices))]
 
 
 def axes_of_pairs(mesh: MeshInfo, text: str) -> Axes | None:
     """Mesh axes a collective-permute moves data along (`source_target_pairs`)."""
+    if text.strip() and not _PAIRS_RE.fullmatch(text.strip()):
+        raise _unreadable(text, "source-target pairs `{{0,1},{1,0},...}`")
+    pairs = [(int(src), int(dst)) for src, dst in re.findall(r"\{(\d+),(\d+)\}", text)]
+    _check_devices(text, [d for pair in pairs for d in pair], mesh.num_devices)
     coords = mesh.coords()
     varying = set()
-    for src, dst in re.findall(r"\{(\d+),(\d+)\}", text):
-        diff = coords[int(src)] != coords[int(dst)]
+    for src, dst in pairs:
+        diff = coords[src] != coords[dst]
         varying |= {mesh.axis_names[a] for a in np.nonzero(diff)[0]}
     return tuple(a for a in mesh.axis_names if a in varying)
 
@@ -139,18 +175,25 @@ def parse_sharding(text: str | None, mesh: MeshInfo, rank: int) -> Sharding | No
     if body.startswith("manual"):
         return Sharding(((),) * rank, manual=True)
     if body.startswith("mesh["):
-        return _named_sharding(body, mesh, rank)
-    m = re.match(r"devices=\[([\d,]+)\]((?:<=\[[\d,]+\](?:T\([\d,]+\))?)|[\d,]+)(.*)$", body)
-    if not m:
+        return _named_sharding(text, body, mesh, rank)
+    if not body.startswith("devices="):
         return None
-    tile = [int(x) for x in m.group(1).split(",")]
-    assign = m.group(2)
-    if assign.startswith("<="):
-        mm = re.match(r"<=\[([\d,]+)\](?:T\(([\d,]+)\))?", assign)
-        devices = _iota(mm.group(1), mm.group(2)).reshape(tile)
+    m = _TILED_RE.fullmatch(body)
+    if not m:
+        raise _unreadable(text, "a tiled sharding `devices=[A,B]<=[N]` or `devices=[A,B]0,1,...`")
+    tile = _ints(m.group(1))
+    if m.group(4) is None:
+        devices = _iota(text, m.group(2), m.group(3))
     else:
-        devices = np.array([int(x) for x in assign.split(",")]).reshape(tile)
-    tail = m.group(3)
+        devices = np.array(_ints(m.group(4)))
+    # The devices may be fewer than the mesh's: passes after GSPMD's partitioner print
+    # `devices=[2,1,2]<=[4]` on 8 devices (JAX 0.10.2, spmd-cleanup).
+    if devices.size != math.prod(tile) or len(tile) < rank:
+        raise _unreadable(text, f"a tile assignment `devices=[...]` of as many devices as tiles, "
+                                f"with a dimension for each of the array's {rank}")
+    _check_devices(text, devices.tolist(), mesh.num_devices)
+    devices = devices.reshape(tile)
+    tail = m.group(5)
     manual = "manual" in tail
     dims = []
     for d in range(rank):
@@ -170,25 +213,31 @@ def parse_tuple_sharding(text: str | None, mesh: MeshInfo, ranks: list[int]) -> 
         return [None] * len(ranks)
     body = text.strip()
     if not re.match(r"\{\s*\{", body):
-        return [parse_sharding(body, mesh, r) for r in ranks]
+        return [parse_sharding(text, mesh, r) for r in ranks]
+    if not body.endswith("}"):
+        raise _unreadable(text, "a tuple sharding `{{...}, {...}}`")
     # XLA marks every fifth element with `/*index=5*/`; the element follows the comment.
-    parts = [re.sub(r"^/\*index=\d+\*/", "", p) for p in _top_level_parts(body[1:-1])]
+    parts = [_located(text, re.sub(r"^/\*index=\d+\*/", "", p)) for p in _top_level_parts(body[1:-1])]
     return [parse_sharding(p, mesh, r) for p, r in zip(parts, ranks)] + [None] * (len(ranks) - len(parts))
 
 
-def _named_sharding(body: str, mesh: MeshInfo, rank: int) -> Sharding | None:
+def _named_sharding(text: str, body: str, mesh: MeshInfo, rank: int) -> Sharding | None:
     # JAX 0.12: `mesh['data'=2,'context'=4], [{'data'}, {}]` (optionally `replicated=...`);
     # a fully replicated value prints as `mesh[], replicated`.
-    close = body.index("]", body.index("mesh[")) + 1
+    close = body.find("]", body.index("mesh[")) + 1
+    if close == 0:
+        raise _unreadable(text, "a printed mesh `mesh['name'=N,...]`")
     if "[" not in body[close:]:
         return Sharding(((),) * rank, manual="manual" in body[close:])
-    ids, _ = _printed_mesh(body)
-    names = list(ids)
-    devices = _iota_devices(body, [ids[n] for n in names])
-    rest = body[close:]
-    lb = rest.index("[")
-    dim_list = rest[lb:_bracket_end(rest, lb) + 1]
-    per_dim = re.findall(r"\{([^}]*)\}", dim_list)
+    names, sizes, devices, rest = _printed_mesh(text, body, mesh.num_devices)
+    m = _DIM_LIST_RE.search(rest)
+    if m is None or rest[:m.start()].strip(", "):
+        raise _unreadable(text, "the mesh axes of each dimension after the mesh, `[{'name'}, {}, ...]`")
+    per_dim = re.findall(r"\{([^}]*)\}", m.group())
+    if not all(_NAMED_DIM_RE.fullmatch(d) for d in per_dim) or not {
+            n for d in per_dim for n in re.findall(r"'([^']+)'", d)} <= set(names):
+        raise _unreadable(text, f"dimensions sharded over axes of the printed mesh {names}")
+    ids = dict(zip(names, sizes))
     coords = np.stack(np.unravel_index(np.arange(devices.size), devices.shape), -1)
     device_of_pos = devices.ravel()
     dims: list[Axes] = []
@@ -206,50 +255,65 @@ def _named_sharding(body: str, mesh: MeshInfo, rank: int) -> Sharding | None:
         index[device_of_pos] = linear
         axes = axes_of_index(mesh, index)
         dims.append(axes if axes is not None else tuple(n for n, _, _ in listed))
-    return Sharding(tuple(dims), manual="manual" in rest[_bracket_end(rest, lb):])
+    return Sharding(tuple(dims), manual="manual" in rest[m.end():])
 
 
-def _printed_mesh(text: str) -> tuple[dict[str, int], set[str]]:
-    start = text.index("mesh[") + 5
-    end = text.index("]", start)
-    ids = {n: int(s) for n, s in re.findall(r"'([^']+)'=(\d+)", text[start:end])}
-    # The axes a collective runs over are the last `{...}` after the mesh, which follows
-    # the device order when that is not the iota (`device_ids=[..]` or `device_ids=([..]T(..))`).
-    groups = re.findall(r"\{([^{}]*)\}", text[end + 1:])
-    listed = set(re.findall(r"'([^']+)'", groups[-1])) if groups else set()
-    return ids, listed
+def _printed_mesh(text: str, body: str, num_devices: int) -> tuple[list[str], list[int], np.ndarray, str]:
+    """A printed mesh at the start of `body`: axis names, sizes, the device ids laid over it
+    (`device_ids=[...]`, a transposed iota `device_ids=([2,2,2]T(1,0,2))` as JAX 0.10.2
+    prints on a 3-axis mesh, or the plain iota) and the text after it."""
+    m = _MESH_RE.match(body)
+    if m is None:
+        raise _unreadable(text, "a printed mesh `mesh['name'=N,...]`")
+    pairs = re.findall(r"'([^']+)'=(\d+)", m.group(1))
+    names, sizes = [n for n, _ in pairs], [int(s) for _, s in pairs]
+    count = math.prod(sizes)
+    if len(set(names)) != len(names) or 0 in sizes or count > num_devices:
+        raise _unreadable(text, f"a printed mesh of distinct axes over at most the mesh's "
+                                f"{num_devices} devices")
+    if m.group(2) is not None:
+        devices = np.array(_ints(m.group(2).replace(" ", "")))
+    elif m.group(3) is not None:
+        devices = _iota(text, m.group(3), m.group(4))
+    else:
+        devices = np.arange(count)
+    if devices.size != count:
+        raise _unreadable(text, f"`device_ids` of the printed mesh's {count} devices")
+    _check_devices(text, devices.tolist(), num_devices)
+    return names, sizes, devices.reshape(sizes), body[m.end():]
 
 
-def _iota_devices(text: str, shape: list[int]) -> np.ndarray:
-    """Device ids laid over a printed mesh (`device_ids=[...]` or iota)."""
-    m = re.search(r"device_ids=\[([\d,\s]+)\]", text)
-    if m:
-        return np.array([int(x) for x in m.group(1).split(",")]).reshape(shape)
-    # A transposed iota, `device_ids=([2,2,2]T(1,0,2))` (JAX 0.10.2 on a 3-axis mesh).
-    m = re.search(r"device_ids=\(\[([\d,]+)\](?:T\(([\d,]+)\))?\)", text)
-    if m:
-        return _iota(m.group(1), m.group(2)).reshape(shape)
-    return np.arange(math.prod(shape)).reshape(shape)
-
-
-def _iota(reshape: str, perm: str | None) -> np.ndarray:
-    dims = [int(x) for x in reshape.split(",")]
+def _iota(text: str, reshape: str, perm: str | None) -> np.ndarray:
+    dims = _ints(reshape)
     arr = np.arange(math.prod(dims)).reshape(dims)
     if perm:
-        arr = arr.transpose([int(x) for x in perm.split(",")])
+        order = _ints(perm)
+        if sorted(order) != list(range(len(dims))):
+            raise _unreadable(text, f"an iota `[{reshape}]T(...)` transposed by a permutation of its "
+                                    f"{len(dims)} dimensions")
+        arr = arr.transpose(order)
     return arr.ravel()
 
 
-def _bracket_end(text: str, start: int) -> int:
-    depth = 0
-    for i in range(start, len(text)):
-        if text[i] == "[":
-            depth += 1
-        elif text[i] == "]":
-            depth -= 1
-            if depth == 0:
-                return i
-    return len(text) - 1
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",")]
+
+
+def _check_devices(text: str, ids: list[int], num_devices: int) -> None:
+    if any(i >= num_devices for i in ids):
+        raise _unreadable(text, f"device ids below {num_devices}, the number of devices of the mesh")
+
+
+def _located(text: str, part: str) -> str:
+    """`part` of an attribute's text, with the key and line the whole text carries."""
+    return AttrText(part, text.key, text.line) if isinstance(text, AttrText) else part
+
+
+def _unreadable(text: str, expected: str) -> HloParseError:
+    """The error for attribute text that cannot be read, naming its line when it knows it."""
+    if isinstance(text, AttrText):
+        return HloParseError(expected, f"{text.key}={text}", text.line)
+    return HloParseError(expected, text, None)
 
 
 def _top_level_parts(text: str) -> list[str]:

@@ -11,16 +11,31 @@ views (`dimensions`, `window_sizes`, `known_trip_count`, gather/scatter/dot dime
 numbers, ...), so that no detector reads attribute text. What a `sharding=` or
 `replica_groups=` value means on a mesh is decoded in `_devices.py`. Text differences
 between XLA versions are handled here and named where they occur.
+
+Dumps also come from other XLA builds (`--xla-dump`), cut short or edited, so text the
+parser cannot read raises `HloParseError` naming the line, never a stray `ValueError`.
+A module looks as every module XLA printed for the example and test steps does (JAX
+0.10.2 and 0.12.0.1, Shardy and GSPMD: the partitioned and propagated modules, and for
+some steps the dump after every pass): `HloModule NAME` on the first line; then blank
+lines, the stack-frame tables and computations; a computation is a header ending in `{`,
+instructions and `}`, with exactly one ROOT, each name defined once, and operands naming
+instructions of the same computation; exactly one computation is the ENTRY. A line that is
+none of these is text of an XLA version this parser does not know: refused, not skipped.
+Attribute values are read lazily by the typed views, which name the instruction's line
+the same way; sharding and device-group texts carry their line into `_devices.py`
+(`AttrText`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import re
 
-from ._stack import SourceLocation, _unquote, parse_stack_frames
+from .._errors import HloParseError
+from ._stack import _TABLES, SourceLocation, _unquote, parse_stack_frames
 
 _DTYPE_BYTES = {
     "pred": 1, "s2": 1, "u2": 1, "s4": 1, "u4": 1, "s8": 1, "u8": 1,
@@ -33,9 +48,39 @@ _DTYPE_BYTES = {
 }
 
 _ARRAY_RE = re.compile(r"([a-z][a-z0-9]*)\[([^\]]*)\]")
+# One array type with its optional layout: `f32[8,<=16]{1,0:T(8,128)}`, `token[]`.
+_ARRAY_TYPE_RE = re.compile(r"([a-z][a-z0-9]*)\[([^\[\]]*)\](?:\{[^{}]*\})?")
+_INDEX_COMMENT_RE = re.compile(r"/\*index=\d+\*/")  # XLA marks every fifth tuple element
+_HEADER_RE = re.compile(r"HloModule ([^\s,]+)")
 _INSTR_RE = re.compile(r"^\s*(ROOT\s+)?%?([^\s=]+)\s*=\s*(.*)$")
+_OPCODE_RE = re.compile(r"([\w\-.]+)\(")
 _COMP_RE = re.compile(r"^(ENTRY\s+)?%?([^\s(]+)\s.*\{\s*$")
 _OPERAND_RE = re.compile(r"%([^\s,(){}]+)")
+_INT_RE = re.compile(r"-?[0-9]+")
+_INT_LIST_RE = re.compile(r"\{\s*(?:-?[0-9]+\s*(?:,\s*-?[0-9]+\s*)*)?\}|-?[0-9]+(?:\s*,\s*-?[0-9]+)*")
+_WINDOW_RE = re.compile(r"\{\s*(?:[a-z_]+=[0-9x_\-]+\s*)*\}|")
+
+_INSTRUCTION = "an instruction `[ROOT] %name = TYPE OPCODE(OPERANDS), ATTRIBUTES`"
+_OUTSIDE = ("a computation `[ENTRY] %name (PARAMETERS) -> TYPE {`, a stack-frame table "
+            "or a blank line")
+
+
+class _Unreadable(Exception):
+    """Text a helper cannot read; the caller adds the line and raises HloParseError."""
+
+    def __init__(self, expected: str, found: str | None = None):
+        super().__init__(expected)
+        self.expected, self.found = expected, found
+
+
+class AttrText(str):
+    """An attribute's raw text that knows its key and its instruction's line, so that the
+    decoders in `_devices.py` name the line of text they cannot read."""
+
+    def __new__(cls, text: str, key: str | None = None, line: int | None = None):
+        self = super().__new__(cls, text)
+        self.key, self.line = key, line
+        return self
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,16 +98,44 @@ class ArrayType:
         return f"{self.dtype}[{','.join(map(str, self.dims))}]"
 
 
+def _view(read) -> property:
+    """A typed view of the attributes: text it cannot read raises HloParseError naming the
+    instruction's line."""
+
+    @functools.wraps(read)
+    def get(self):
+        try:
+            return read(self)
+        except _Unreadable as e:
+            raise HloParseError(e.expected, e.found, self.line) from None
+
+    return property(get)
+
+
 def _ints(key: str) -> property:
     """A `key={0,1}` attribute as a tuple of ints; () when the instruction has none."""
-    return property(lambda self: _int_tuple(self.attrs.get(key, "")),
-                    doc=f"`{key}={{...}}` as a tuple of ints.")
+
+    def read(self) -> tuple[int, ...]:
+        text = self.attrs.get(key)
+        return () if text is None else _int_tuple(text, key)
+
+    read.__doc__ = f"`{key}={{...}}` as a tuple of ints."
+    return _view(read)
 
 
 def _int(key: str) -> property:
     """A `key=N` attribute as an int; None when the instruction has none."""
-    return property(lambda self: _int_or_none(self.attrs.get(key, "")),
-                    doc=f"`{key}=N` as an int, or None.")
+
+    def read(self) -> int | None:
+        text = self.attrs.get(key)
+        if text is None:
+            return None
+        if not _INT_RE.fullmatch(text):
+            raise _Unreadable(f"`{key}=N`, an integer", f"{key}={text}")
+        return int(text)
+
+    read.__doc__ = f"`{key}=N` as an int, or None."
+    return _view(read)
 
 
 @dataclasses.dataclass
@@ -81,8 +154,9 @@ class Instruction:
     # Newer XLA (JAX 0.12's propagated dump) names a tuple element inline, `%while.1#1`,
     # instead of a get-tuple-element: the element index per operand, None where absent.
     operand_indices: tuple[int | None, ...] = ()
+    line: int | None = None                    # 1-based line of the module text
 
-    @property
+    @_view
     def op_name(self) -> str:
         return _metadata_fields(self.attrs.get("metadata", "")).get("op_name", "")
 
@@ -108,37 +182,38 @@ class Instruction:
     tuple_index = _int("index")                       # get-tuple-element
     k = _int("k")                                     # topk
 
-    @property
+    @_view
     def window_sizes(self) -> tuple[int, ...]:
         """`window={size=1x64x1 ...}` (reduce-window, convolution) as (1, 64, 1)."""
-        sizes = _window(self.attrs.get("window", "")).get("size", "")
-        return tuple(int(d) for d in sizes.split("x") if d)
+        return _x_ints(self.attrs.get("window", ""), "size")
 
-    @property
+    @_view
     def window_strides(self) -> tuple[int, ...]:
         """Window strides, 1 per window dimension when the window prints none."""
-        strides = _window(self.attrs.get("window", "")).get("stride", "")
-        return tuple(int(d) for d in strides.split("x") if d) or (1,) * len(self.window_sizes)
+        return _x_ints(self.attrs.get("window", ""), "stride") or (1,) * len(self.window_sizes)
 
-    @property
+    @_view
     def window_padding(self) -> tuple[tuple[int, int], ...]:
         """`pad=7_0x0_0` as ((7, 0), (0, 0)): (low, high) per window dimension."""
-        pads = _window(self.attrs.get("window", "")).get("pad", "")
+        text = self.attrs.get("window", "")
+        pads = _window(text).get("pad", "")
         if not pads:
             return ((0, 0),) * len(self.window_sizes)
-        pairs = (p.partition("_") for p in pads.split("x"))
-        return tuple((int(lo), int(hi)) for lo, _, hi in pairs)
+        pairs = [p.split("_") for p in pads.split("x")]
+        if any(len(p) != 2 or not all(map(_INT_RE.fullmatch, p)) for p in pairs):
+            raise _Unreadable("a window `pad=LOW_HIGHxLOW_HIGH...`", f"window={text}")
+        return tuple((int(lo), int(hi)) for lo, hi in pairs)
 
-    @property
+    @_view
     def custom_call_target(self) -> str:
-        return _unquote(self.attrs.get("custom_call_target", ""))
+        return _unquoted(self.attrs.get("custom_call_target", ""))
 
-    @property
+    @_view
     def backend_config(self) -> dict:
         """The JSON `backend_config` as a dict; {} when absent or not JSON."""
         text = self.attrs.get("backend_config", "")
         if not text.startswith("{"):
-            text = _unquote(text)  # some XLA versions print it as a quoted string
+            text = _unquoted(text)  # some XLA versions print it as a quoted string
         try:
             config = json.loads(text) if text else {}
         except ValueError:
@@ -153,10 +228,14 @@ class Instruction:
         count = self.backend_config.get("known_trip_count", {})
         return _int_or_none(str(count.get("n", ""))) if isinstance(count, dict) else None
 
-    @property
+    @_view
     def parameter_number(self) -> int | None:
         """N of `parameter(N)`; None for every other opcode."""
-        return _int_or_none(self.operand_text) if self.opcode == "parameter" else None
+        if self.opcode != "parameter":
+            return None
+        if not self.operand_text.isdecimal():
+            raise _Unreadable("`parameter(N)`, a parameter number", f"parameter({self.operand_text})")
+        return int(self.operand_text)
 
     @property
     def constant_value(self) -> int | float | None:
@@ -175,23 +254,24 @@ class Instruction:
                 return None
 
     @property
-    def sharding(self) -> str | None:
-        return self.attrs.get("sharding")
+    def sharding(self) -> AttrText | None:
+        text = self.attrs.get("sharding")
+        return None if text is None else AttrText(text, "sharding", self.line)
 
     @property
-    def replica_groups(self) -> str:
+    def replica_groups(self) -> AttrText:
         """`replica_groups=` as XLA printed it, for `_devices.parse_replica_groups`. The mesh
         form runs past a top-level comma (`mesh[...], device_ids=([2,4]T(1,0)) {'axis_1'}`),
         which splits it into two attributes here; they are joined again."""
         text = self.attrs.get("replica_groups", "{}")
         if text.startswith("mesh[") and "device_ids" in self.attrs:
             text += ", device_ids=" + self.attrs["device_ids"]
-        return text
+        return AttrText(text, "replica_groups", self.line)
 
     @property
-    def source_target_pairs(self) -> str:
+    def source_target_pairs(self) -> AttrText:
         """`source_target_pairs=` of a collective-permute, for `_devices.axes_of_pairs`."""
-        return self.attrs.get("source_target_pairs", "")
+        return AttrText(self.attrs.get("source_target_pairs", ""), "source_target_pairs", self.line)
 
     @property
     def loop_body(self) -> str | None:
@@ -283,58 +363,139 @@ def _counted_loop(module: HloModule, loop: Instruction) -> int | None:
 
 
 def parse_hlo(text: str) -> HloModule:
-    """Parses one HLO module printed by XLA (`HloModule.to_string()`)."""
+    """Parses one HLO module printed by XLA (`HloModule.to_string()`).
+
+    Raises HloParseError, naming the line, where the text is not such a module (see the
+    module docstring for what one looks like)."""
     lines = text.splitlines()
-    name = ""
-    if lines and lines[0].startswith("HloModule "):
-        name = lines[0].split()[1].rstrip(",")
-    frames = parse_stack_frames(lines)
+    header = _HEADER_RE.match(lines[0]) if lines else None
+    if header is None:
+        raise HloParseError("`HloModule NAME` on the first line (HLO text as XLA prints it)",
+                            lines[0] if lines else None, 1)
+    try:
+        frames = parse_stack_frames(lines)
+    except ValueError:  # a table's quoted name that is not C-escaped text
+        raise _table_error(lines) from None
     computations: dict[str, Computation] = {}
+    opened: dict[str, int] = {}  # computation -> line of its header
     current: Computation | None = None
-    for line in lines:
+    entry: Computation | None = None
+    names: dict[str, Instruction] = {}
+    root: Instruction | None = None
+    in_tables = False
+    for number, line in enumerate(lines[1:], 2):
         stripped = line.strip()
         if current is None:
+            if not stripped:
+                continue
+            if in_tables and stripped.partition(" ")[0].isdecimal():
+                continue  # a row of a stack-frame table (read by `parse_stack_frames`)
+            if stripped in _TABLES:
+                in_tables = True
+                continue
             m = _COMP_RE.match(stripped)
-            if m and not stripped.startswith("HloModule"):
-                current = Computation(m.group(2), bool(m.group(1)), [])
+            if m is None:
+                raise HloParseError(_OUTSIDE, line, number)
+            current, in_tables = Computation(m.group(2), bool(m.group(1)), []), False
+            if current.name in computations:
+                raise HloParseError(f"a computation name not used before (%{current.name} is "
+                                    f"at line {opened[current.name]})", line, number)
+            if current.is_entry and entry is not None:
+                raise HloParseError(f"one ENTRY computation (%{entry.name} at line "
+                                    f"{opened[entry.name]} is one)", line, number)
+            entry = current if current.is_entry else entry
+            opened[current.name], names, root = number, {}, None
             continue
         if stripped == "}":
+            _close(current, names, root, lines, opened[current.name], number)
             computations[current.name] = current
             current = None
             continue
-        instr = _parse_instruction(stripped, current.name, frames)
-        if instr is not None:
-            current.instructions.append(instr)
-    return HloModule(name, computations)
+        if not stripped:
+            continue
+        try:
+            instr = _parse_instruction(stripped, current.name, frames, number)
+        except _Unreadable as e:
+            if _COMP_RE.match(stripped) and e.expected == _INSTRUCTION:
+                e.expected = (f"`}}` closing computation %{current.name} (line "
+                              f"{opened[current.name]}) before the next one")
+            raise HloParseError(e.expected, line if e.found is None else e.found, number) from None
+        if instr.name in names:
+            raise HloParseError(f"a name not used before in %{current.name} (%{instr.name} is "
+                                f"defined at line {names[instr.name].line})", line, number)
+        if instr.is_root:
+            if root is not None:
+                raise HloParseError(f"one ROOT in %{current.name} (the first is at line "
+                                    f"{root.line})", line, number)
+            root = instr
+        names[instr.name] = instr
+        current.instructions.append(instr)
+    if current is not None:
+        raise HloParseError(f"`}}` closing computation %{current.name} (line "
+                            f"{opened[current.name]})", None, len(lines))
+    if entry is None:
+        raise HloParseError("an ENTRY computation", None, len(lines))
+    return HloModule(header.group(1), computations)
 
 
-def _parse_instruction(line: str, computation: str, frames) -> Instruction | None:
+def _close(comp: Computation, names: dict[str, Instruction], root: Instruction | None,
+           lines: list[str], opened: int, number: int) -> None:
+    """Checks a computation at its closing `}`: one ROOT, every operand defined in it."""
+    if root is None:
+        raise HloParseError(f"a ROOT instruction in computation %{comp.name} (lines "
+                            f"{opened}-{number})", "}", number)
+    for instr in comp.instructions:
+        for operand in instr.operands:
+            if operand not in names:
+                raise HloParseError(f"operand %{operand} to be an instruction of computation "
+                                    f"%{comp.name}", lines[instr.line - 1], instr.line)
+    comp.__dict__["_by_name"] = names  # the index `Computation.get` builds
+
+
+def _table_error(lines: list[str]) -> HloParseError:
+    """The first stack-frame table row whose quoted name `parse_stack_frames` cannot read."""
+    for number, line in enumerate(lines, 1):
+        rest = line.strip().partition(" ")[2]
+        try:
+            _unquote(rest)
+        except ValueError:
+            return HloParseError("a C-escaped quoted name in a stack-frame table", line, number)
+    return HloParseError("stack-frame tables XLA prints", None, None)
+
+
+def _parse_instruction(line: str, computation: str, frames, number: int) -> Instruction:
     m = _INSTR_RE.match(line)
     if not m:
-        return None
+        raise _Unreadable(_INSTRUCTION)
     is_root, name, rest = bool(m.group(1)), m.group(2), m.group(3)
     type_text, rest = _take_type(rest)
-    m_op = re.match(r"([\w\-.]+)\(", rest)
+    result = _result_type(type_text)
+    m_op = _OPCODE_RE.match(rest)
     if not m_op:
-        return None
+        raise _Unreadable(_INSTRUCTION)
     opcode = m_op.group(1)
     close = _matching(rest, m_op.end() - 1)
+    if close < 0:
+        raise _Unreadable(f"the operands of %{name} closed by `)`")
     operand_text = rest[m_op.end():close]
     named = [ref.partition("#") for ref in _OPERAND_RE.findall(operand_text)]
     operands = tuple(ref for ref, _, _ in named)
-    indices = tuple(int(i) if i.isdigit() else None for _, _, i in named)
+    if any(i and not i.isdecimal() for _, _, i in named):
+        raise _Unreadable(f"operands of %{name} named `%name` or `%name#N`")
+    indices = tuple(int(i) if i else None for _, _, i in named)
     attrs = _parse_attrs(rest[close + 1:])
-    result = tuple(ArrayType(dt, _dims(d)) for dt, d in _ARRAY_RE.findall(type_text))
     stack = _stack_of(attrs.get("metadata", ""), frames)
     return Instruction(name, opcode, result, type_text.startswith("("), operands, attrs,
                        computation, is_root, stack[0] if stack else None, stack,
-                       operand_text.strip(), indices)
+                       operand_text.strip(), indices, number)
 
 
 def _take_type(text: str) -> tuple[str, str]:
     text = text.lstrip()
     if text.startswith("("):
         end = _matching(text, 0)
+        if end < 0:
+            raise _Unreadable("a tuple type closed by `)`")
         return text[: end + 1], text[end + 1:].lstrip()
     # A plain array type ends at the first space outside its layout braces.
     depth = 0
@@ -348,12 +509,26 @@ def _take_type(text: str) -> tuple[str, str]:
     return text, ""
 
 
+def _result_type(text: str) -> tuple[ArrayType, ...]:
+    """The arrays of an instruction's type: `f32[8]{0}`, or a tuple of such (nested)."""
+    if not text.startswith("("):
+        m = _ARRAY_TYPE_RE.fullmatch(text)
+        if m is None:
+            raise _Unreadable("an array type such as `f32[8,16]{1,0}`", text)
+        return (ArrayType(m.group(1), _dims(m.group(2))),)
+    # Only parentheses, commas and index comments may lie between a tuple's arrays.
+    if _ARRAY_TYPE_RE.sub("", _INDEX_COMMENT_RE.sub("", text)).strip("(), "):
+        raise _Unreadable("a tuple type such as `(f32[8]{0}, s32[])`", text)
+    return tuple(ArrayType(dt, _dims(d)) for dt, d in _ARRAY_RE.findall(text))
+
+
 _BRACKETS = {"(": ")", "{": "}", "[": "]"}
 _SPECIAL_RE = re.compile(r'[(){}\[\]"\\]')
 
 
 def _matching(text: str, start: int) -> int:
-    """Index of the bracket closing the one at `start`, skipping quoted strings.
+    """Index of the bracket closing the one at `start`, skipping quoted strings; -1 when
+    the text ends first or a bracket closes that was not opened last.
 
     Jumps from one bracket, quote or backslash to the next (`re`), not char by char:
     metadata and backend configs make long lines."""
@@ -373,11 +548,18 @@ def _matching(text: str, start: int) -> int:
             in_quote = True
         elif ch in _BRACKETS:
             stack.append(_BRACKETS[ch])
-        elif stack and ch == stack[-1]:
+        elif ch == "\\":
+            continue
+        elif not stack or ch != stack[-1]:
+            return -1
+        else:
             stack.pop()
             if not stack:
                 return i
-    return len(text) - 1
+    return -1
+
+
+_ATTR_KEY_RE = re.compile(r"([\w.\-]+)=")
 
 
 def _parse_attrs(text: str) -> dict[str, str]:
@@ -387,16 +569,22 @@ def _parse_attrs(text: str) -> dict[str, str]:
     while i < n:
         while i < n and text[i] in ", ":
             i += 1
-        m = re.match(r"([\w.\-]+)=", text[i:])
-        if not m:
+        if i == n:
             break
+        m = _ATTR_KEY_RE.match(text, i)
+        if not m:
+            raise _Unreadable("attributes `, key=value` after the operands", text[i:])
         key = m.group(1)
-        j = i + m.end()
+        j = m.end()
         start = j
         while j < n:
             ch = text[j]
             if ch in "({[" or ch == '"':
-                j = _matching(text, j) + 1 if ch != '"' else _end_quote(text, j) + 1
+                end = _matching(text, j) if ch != '"' else _end_quote(text, j)
+                if end < 0:
+                    raise _Unreadable(f"the value of `{key}=` closed by its bracket or quote",
+                                      text[i:])
+                j = end + 1
                 continue
             if ch == ",":
                 break
@@ -410,14 +598,28 @@ _QUOTE_END_RE = re.compile(r'(?:[^"\\]|\\.)*"', re.DOTALL)
 
 
 def _end_quote(text: str, start: int) -> int:
-    """Index of the quote closing the one at `start` (backslash escapes skipped)."""
+    """Index of the quote closing the one at `start` (backslash escapes skipped); -1 when
+    the text ends first."""
     m = _QUOTE_END_RE.match(text, start + 1)
-    return m.end() - 1 if m else len(text) - 1
+    return m.end() - 1 if m else -1
 
 
 def _dims(text: str) -> tuple[int, ...]:
-    # Bounded dynamic dimensions print as `<=8`; keep the bound.
-    return tuple(int(d.lstrip("<=?")) for d in text.split(",") if d.strip().lstrip("<=?"))
+    # Bounded dynamic dimensions print as `<=8`; keep the bound. Unbounded ones (`?`) have
+    # no size and are left out.
+    if not text:
+        return ()
+    dims = []
+    for d in text.split(","):
+        if not d.isdecimal():
+            d = d.strip()
+            d = d[2:] if d.startswith("<=") else d
+            if d == "?":
+                continue
+            if not d.isdecimal():
+                raise _Unreadable("array dimensions such as `[8,<=16]`", f"[{text}]")
+        dims.append(int(d))
+    return tuple(dims)
 
 
 def _metadata_fields(metadata: str) -> dict[str, str]:
@@ -435,7 +637,8 @@ def _metadata_fields(metadata: str) -> dict[str, str]:
         key = text[i:eq].strip()
         if eq + 1 < n and text[eq + 1] == '"':
             end = _end_quote(text, eq + 1)
-            fields[key] = _unquote(text[eq + 1:end + 1])
+            end = n - 1 if end < 0 else end
+            fields[key] = _unquoted(text[eq + 1:end + 1])
         else:
             end = text.find(" ", eq + 1)
             end = n if end < 0 else end
@@ -447,28 +650,57 @@ def _metadata_fields(metadata: str) -> dict[str, str]:
 def _stack_of(metadata: str, frames) -> tuple[SourceLocation, ...]:
     # Older XLA prints source_file/source_line inline (one frame); newer XLA names a frame.
     fields = _metadata_fields(metadata)
-    frame = _int_or_none(fields.get("stack_frame_id", ""))
+    frame = _metadata_int(fields, "stack_frame_id")
     if frame is not None and frames.get(frame):
         return frames[frame]
-    line = _int_or_none(fields.get("source_line", ""))
+    line = _metadata_int(fields, "source_line")
     if fields.get("source_file") and line is not None:
         return (SourceLocation(fields["source_file"], line),)
     return ()
 
 
-def _int_tuple(text: str) -> tuple[int, ...]:
+def _metadata_int(fields: dict[str, str], key: str) -> int | None:
+    text = fields.get(key)
+    if text is None:
+        return None
+    if not text.isdecimal():
+        raise _Unreadable(f"`metadata={{... {key}=N}}`, an integer", f"{key}={text}")
+    return int(text)
+
+
+def _unquoted(text: str) -> str:
+    try:
+        return _unquote(text)
+    except ValueError:  # a backslash escape that is not C's
+        raise _Unreadable("a C-escaped quoted string", text) from None
+
+
+def _int_tuple(text: str, key: str = "") -> tuple[int, ...]:
     """`{0,1}` (or `0,1`) as (0, 1)."""
-    return tuple(int(d) for d in text.strip().strip("{}").split(",") if d.strip())
+    if not _INT_LIST_RE.fullmatch(text.strip()):
+        raise _Unreadable(f"`{key}={{N,...}}`, a list of integers", f"{key}={text}")
+    return tuple(int(d) for d in _INT_RE.findall(text))
 
 
 def _int_or_none(text: str) -> int | None:
     text = text.strip()
-    return int(text) if text.lstrip("-").isdigit() else None
+    return int(text) if _INT_RE.fullmatch(text) else None
 
 
 def _window(text: str) -> dict[str, str]:
     """`{size=1x64x1 pad=0_0x63_0x0_0 stride=...}` as {"size": "1x64x1", ...}."""
+    if not _WINDOW_RE.fullmatch(text.strip()):
+        raise _Unreadable("a window `{size=AxB stride=AxB pad=L_HxL_H ...}`", f"window={text}")
     return dict(item.partition("=")[::2] for item in text.strip().strip("{}").split())
+
+
+def _x_ints(window: str, field: str) -> tuple[int, ...]:
+    """One `AxBxC` field of a window as (A, B, C); () when the window has none."""
+    text = _window(window).get(field, "")
+    parts = text.split("x") if text else []
+    if not all(p.isdecimal() for p in parts):
+        raise _Unreadable(f"a window `{field}=AxB...` of integers", f"window={window}")
+    return tuple(int(p) for p in parts)
 
 
 def _called_name(text: str) -> str | None:

@@ -8,6 +8,7 @@ import pytest
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from shardlint import HloParseError
 from shardlint.analyzer import MeshInfo, collectives_of, parse_hlo
 from shardlint.analyzer._devices import parse_tuple_sharding
 from shardlint.analyzer._hlo import _parse_attrs
@@ -230,6 +231,87 @@ ENTRY %main (p: (s32[], f32[4])) -> f32[4] {
     (param, out) = parse_hlo(text).entry.instructions
     assert param.parameter_number == 0 and param.operands == ()
     assert out.operands == ("p",) and out.operand_indices == (1,)
+
+
+# ---------------------------------------------------------------- text that is not a module
+
+
+def _line_of(text: str, fragment: str) -> int:
+    """1-based number of the first line of `text` holding `fragment`."""
+    return next(n for n, line in enumerate(text.splitlines(), 1) if fragment in line)
+
+
+@pytest.mark.parametrize("text", [
+    "",
+    "BufferAssignment:\nallocation 0: size 8192, parameter 0, shape |f32[8,256]| at ShapeIndex {}:\n",
+    'module @jit_step attributes {mhlo.num_partitions = 8 : i32} {\n  func.func public @main() {\n',
+    '{"hlo_module": {"name": "jit_step"}}\n',
+], ids=["empty", "buffer-assignment", "stablehlo", "json"])
+def test_text_that_is_not_hlo_names_line_1(text):
+    with pytest.raises(HloParseError, match=r"^HLO line 1: expected `HloModule NAME`") as e:
+        parse_hlo(text)
+    assert e.value.line == 1 and "\n" not in str(e.value)
+
+
+def test_a_module_cut_short_names_the_computation_left_open():
+    cut = ASYNC_TEXT[:ASYNC_TEXT.rindex("}")]  # the ENTRY's closing brace is gone
+    with pytest.raises(HloParseError) as e:
+        parse_hlo(cut)
+    last = len(cut.splitlines())
+    opened = _line_of(cut, "ENTRY %main")
+    assert e.value.line == last
+    assert str(e.value).startswith(f"HLO line {last}: expected `}}` closing computation %main "
+                                   f"(line {opened}); found the end of the text")
+
+
+def test_a_module_without_entry_says_so():
+    cut = ASYNC_TEXT[:ASYNC_TEXT.index("ENTRY")]  # only the `%add` computation is left
+    with pytest.raises(HloParseError, match="expected an ENTRY computation; found the end") as e:
+        parse_hlo(cut)
+    assert e.value.line == len(cut.splitlines())
+
+
+@pytest.mark.parametrize("after, unknown", [
+    ("%p1 = f32[8]{0} parameter(1)", "  schedule_annotation %p1 before %p0"),  # in a computation
+    ("%p1 = f32[8]{0} parameter(1)", "  %cp-start = (f32[8]{0}) collective-permute-start"),
+    ('1 "moe"', "HloStatistics"),  # between the stack-frame tables
+], ids=["not-an-instruction", "no-operands", "outside-computations"])
+def test_a_line_of_an_unknown_xla_version_is_refused_with_its_number(after, unknown):
+    lines = ASYNC_TEXT.splitlines()
+    at = _line_of(ASYNC_TEXT, after)
+    text = "\n".join(lines[:at] + [unknown] + lines[at:])
+    with pytest.raises(HloParseError) as e:
+        parse_hlo(text)
+    assert e.value.line == at + 1 and str(e.value).startswith(f"HLO line {at + 1}: expected ")
+    assert repr(unknown.strip()) in str(e.value)
+
+
+def test_a_dropped_line_leaves_an_operand_undefined():
+    text = "\n".join(l for l in ASYNC_TEXT.splitlines() if "%all-gather-start = " not in l)
+    with pytest.raises(HloParseError, match="expected operand %all-gather-start to be an "
+                                            "instruction of computation %main") as e:
+        parse_hlo(text)
+    assert e.value.line == _line_of(text, "%all-gather-done = ")
+
+
+@pytest.mark.parametrize("groups", ["[2,4]<=[9]", "{{0,1,2,3},{4,5,6,9}}", "[2,4]<=[8]T(1,1)",
+                                    "mesh['data'=2,'ctx'=4] {'context'}", "{{0,1},{2,x}}"])
+def test_a_malformed_replica_group_names_the_collective_line(groups):
+    text = ASYNC_TEXT.replace("replica_groups=[2,4]<=[8]", f"replica_groups={groups}")
+    module = parse_hlo(text)  # attribute values are read when a reader asks for them
+    with pytest.raises(HloParseError, match=r"; found ['\"]replica_groups=") as e:
+        collectives_of(module, MeshInfo(("data", "context"), (2, 4)))
+    line = _line_of(text, "%all-gather-start = ")
+    assert e.value.line == line and str(e.value).startswith(f"HLO line {line}: expected ")
+
+
+def test_a_malformed_attribute_names_the_line_when_read():
+    text = ASYNC_TEXT.replace("dimensions={1}", "dimensions={1,a}")
+    gather = parse_hlo(text).entry.get("all-gather-start")
+    with pytest.raises(HloParseError, match=r"expected `dimensions=\{N,...\}`, a list of integers; "
+                                            r"found 'dimensions=\{1,a\}'") as e:
+        gather.dimensions
+    assert e.value.line == _line_of(text, "%all-gather-start = ")
 
 
 def test_tuple_sharding_elements_after_an_index_comment_decode():
