@@ -14,7 +14,7 @@ import jax
 import jaxlib
 
 from .. import _jax
-from .._errors import AnalysisError
+from .._errors import AnalysisError, HloParseError
 from ._buffers import memory_of_buffer_assignment
 from ._causes import explain
 from ._collectives import collectives_of
@@ -65,7 +65,7 @@ def analyze_dump(folder: str, *, module: str | None = None, mesh: dict[str, int]
     dumped = read_dump(folder, module)
     if progress:
         progress(f"reading {dumped.stem} ({dumped.platform}) from {folder}")
-    given = parse_hlo(dumped.given) if dumped.given is not None else None
+    given = _parsed(dumped, "given")
     header = (dumped.given or dumped.partitioned).split("\n", 1)[0]
     compiled = Compiled(
         dumped=dumped,
@@ -85,12 +85,12 @@ def _explain(compiled: Compiled, versions: dict[str, str], progress) -> Analysis
     if progress:
         progress("reading XLA's propagated shardings and collectives")
     dumped = compiled.dumped
-    partitioned = parse_hlo(dumped.partitioned)
+    partitioned = _parsed(dumped, "partitioned")
     collectives = collectives_of(partitioned, compiled.mesh)
     marks = input_marks(partitioned, compiled.entry_marks)
     drops, requested, graph = (), (), None
     if dumped.propagated is not None:
-        graph = build_graph(parse_hlo(dumped.propagated), compiled.mesh,
+        graph = build_graph(_parsed(dumped, "propagated"), compiled.mesh,
                             compiled.grouped_matmul_sources)
         asked_lines = frozenset(
             (a.file, a.line) for a in compiled.asked if a.op in ("sharding_constraint", "reshard"))
@@ -112,6 +112,19 @@ def _explain(compiled: Compiled, versions: dict[str, str], progress) -> Analysis
         dump=None if compiled.mesh_object is not None else dumped.folder,
         unread=() if compiled.mesh_object is not None else dumped.unread(),
     )
+
+
+def _parsed(dumped, text: str):
+    """One of the dump's HLO texts, parsed; a text the parser refuses is named by its file
+    (HloParseError names the line)."""
+    hlo = getattr(dumped, text)
+    if hlo is None:
+        return None
+    try:
+        return parse_hlo(hlo)
+    except HloParseError as e:
+        e.args = (f"{dumped.files.get(text, text)}: {e}",)
+        raise
 
 
 def _asked_in(dumped) -> tuple:

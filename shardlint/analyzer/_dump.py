@@ -53,6 +53,7 @@ class DumpedModule:
     given: str | None = None         # HLO before optimizations: mesh, parameter names
     stablehlo: str | None = None     # the StableHLO the compiler was given (module.mlir)
     buffer_assignment: str | None = None
+    files: dict[str, str] = dataclasses.field(default_factory=dict)  # text -> its file's path
 
     def unread(self) -> tuple[str, ...]:
         """What the folder lacks and what the analysis then cannot say, one line each."""
@@ -101,17 +102,21 @@ def read_dump(folder: str, module: str | None = None) -> DumpedModule:
     buffers = [r for r in rest if _BUFFERS_RE.match(r)]
     partitioned = text(chosen.partitioned_file)
     mlir = os.path.join(folder, chosen.stem, "module.mlir")
+    names = {"partitioned": chosen.partitioned_file,
+             "propagated": chosen.stem + propagated[-1] if propagated else None,
+             "given": chosen.stem + ".before_optimizations.txt"}
     return DumpedModule(
         folder=folder,
         stem=chosen.stem,
         name=_module_name(partitioned, chosen.partitioned_file),
         platform=_platform(chosen.prefix, chosen.stem, files),
         partitioned=partitioned,
-        propagated=text(chosen.stem + propagated[-1]) if propagated else None,
+        propagated=text(names["propagated"]),
         propagation_pass=_PROPAGATED_RE.match(propagated[-1]).group(2) if propagated else None,
-        given=text(chosen.stem + ".before_optimizations.txt"),
+        given=text(names["given"]),
         stablehlo=_read(mlir) if os.path.isfile(mlir) else None,
         buffer_assignment=text(chosen.stem + buffers[0]) if buffers else None,
+        files={k: os.path.join(folder, v) for k, v in names.items() if v},
     )
 
 

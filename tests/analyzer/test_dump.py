@@ -26,7 +26,7 @@ from pathlib import Path
 import jax
 import pytest
 
-from shardlint import AnalysisError, analyze, analyze_dump
+from shardlint import AnalysisError, HloParseError, analyze, analyze_dump
 from shardlint.analyzer._dump import PROPAGATION_PASSES, read_dump
 
 from .dump_job import build
@@ -232,12 +232,18 @@ def test_bad_folders_are_one_clear_error(dumps, tmp_path, run_cli):
     shutil.copytree(source, foreign)
     partitioned = next(p for p in step_files(foreign) if p.name.endswith("cpu_after_optimizations.txt"))
     partitioned.write_text("HloProgram v9 jit_step\n" + partitioned.read_text())
+    truncated = tmp_path / "truncated"
+    shutil.copytree(source, truncated)
+    cut = next(p for p in step_files(truncated) if p.name.endswith("cpu_after_optimizations.txt"))
+    lines = cut.read_text().splitlines(keepends=True)
+    cut.write_text("".join(lines[: len(lines) // 2]))
     expected = {
         tmp_path / "missing": "does not exist",
         empty: "holds no HLO module after optimizations .*notes.txt.*--xla_dump_to=DIR",
         protos: "no text: add --xla_dump_hlo_as_text",
         twice: "holds jit_step compiled 2 times: module_\\d+.jit_step.*module_0099.jit_step.*--module module_",
         foreign: "does not start with 'HloModule NAME'",
+        truncated: f"{cut.name}: HLO line {len(lines) // 2}: expected `}}` closing computation",
     }
     for folder, message in expected.items():
         with pytest.raises(AnalysisError, match=message):
@@ -247,9 +253,14 @@ def test_bad_folders_are_one_clear_error(dumps, tmp_path, run_cli):
         analyze_dump(str(twice), module="jit_step")
     with pytest.raises(AnalysisError, match="no such module.*it has module_"):
         analyze_dump(str(twice), module="jit_eval_step")
-    result = run_cli("analyze", "--xla-dump", str(twice))
-    assert result.returncode == 2 and "Traceback" not in result.stderr
-    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+    with pytest.raises(HloParseError):
+        analyze_dump(str(truncated))
+    for folder in (twice, truncated):
+        result = run_cli("analyze", "--xla-dump", str(folder))
+        lines = result.stderr.strip().splitlines()
+        assert result.returncode == 2 and "Traceback" not in result.stderr
+        assert lines[-1].startswith("shardlint: error: ") and all(
+            line.startswith("shardlint: reading") for line in lines[:-1]), result.stderr
 
 
 def test_cli_reads_a_dump_for_analyze_report_and_check(dumps, tmp_path, run_cli):
