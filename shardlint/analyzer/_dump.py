@@ -108,7 +108,7 @@ def read_dump(folder: str, module: str | None = None) -> DumpedModule:
     return DumpedModule(
         folder=folder,
         stem=chosen.stem,
-        name=_module_name(partitioned, chosen.partitioned_file),
+        name=_module_name(partitioned, chosen.stem),
         platform=_platform(chosen.prefix, chosen.stem, files),
         partitioned=partitioned,
         propagated=text(names["propagated"]),
@@ -187,13 +187,11 @@ def _listing(candidates: list[_Candidate], most: int = 5) -> str:
     return shown + (f" and {more} more" if more > 0 else "")
 
 
-def _module_name(text: str, file: str) -> str:
-    first = text.split("\n", 1)[0]
-    m = re.match(r"HloModule ([^\s,]+)", first)
-    if m is None:
-        raise AnalysisError(f"{file}: does not start with 'HloModule NAME' (first line "
-                            f"{first[:80]!r}); is it HLO text from XLA?")
-    return m.group(1)
+def _module_name(text: str, stem: str) -> str:
+    """The name on the `HloModule NAME` line; the file's own name where that line is
+    missing (the parser then says what is wrong, and where)."""
+    m = re.match(r"HloModule ([^\s,]+)", text)
+    return m.group(1) if m else stem.split(".", 2)[1]
 
 
 def _platform(prefix: str, stem: str, files: set[str]) -> str:

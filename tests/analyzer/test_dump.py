@@ -242,7 +242,7 @@ def test_bad_folders_are_one_clear_error(dumps, tmp_path, run_cli):
         empty: "holds no HLO module after optimizations .*notes.txt.*--xla_dump_to=DIR",
         protos: "no text: add --xla_dump_hlo_as_text",
         twice: "holds jit_step compiled 2 times: module_\\d+.jit_step.*module_0099.jit_step.*--module module_",
-        foreign: "does not start with 'HloModule NAME'",
+        foreign: "cpu_after_optimizations.txt: HLO line 1: expected `HloModule NAME`",
         truncated: f"{cut.name}: HLO line {len(lines) // 2}: expected `}}` closing computation",
     }
     for folder, message in expected.items():
