@@ -11,7 +11,7 @@ from jax.sharding import PartitionSpec as P
 from shardlint import HloParseError
 from shardlint.analyzer import MeshInfo, collectives_of, parse_hlo
 from shardlint.analyzer._devices import parse_tuple_sharding
-from shardlint.analyzer._hlo import _parse_attrs
+from shardlint.analyzer._hlo_text import _parse_attrs
 
 from . import collective_steps
 
