@@ -73,6 +73,9 @@ _HEADER_RE = re.compile(r"HloModule ([^\s,]+)")
 _INSTR_RE = re.compile(r"^\s*(ROOT\s+)?%?([^\s=]+)\s*=\s*(.*)$")
 _OPCODE_RE = re.compile(r"([\w\-.]+)\(")
 _COMP_RE = re.compile(r"^(ENTRY\s+)?%?([^\s(]+)\s.*\{\s*$")
+# A computation ends with `}`; XLA:TPU prints its attributes after the brace:
+# `}, execution_thread="sparsecore"` (libtpu 0.0.42.1 and 0.0.50.1, v5p:2x2x2 and larger).
+_CLOSE_RE = re.compile(r'^\}(?:\s*,\s*[\w.\-]+=(?:"(?:[^"\\]|\\.)*"|[^\s,]+))*\s*$')
 
 _INSTRUCTION = "an instruction `[ROOT] %name = TYPE OPCODE(OPERANDS), ATTRIBUTES`"
 _OUTSIDE = ("a computation `[ENTRY] %name (PARAMETERS) -> TYPE {`, a stack-frame table "
@@ -412,7 +415,7 @@ def parse_hlo(text: str) -> HloModule:
             entry = current if current.is_entry else entry
             opened[current.name], names, root = number, {}, None
             continue
-        if stripped == "}":
+        if _CLOSE_RE.match(stripped):
             _close(current, names, root, lines, opened[current.name], number)
             computations[current.name] = current
             current = None

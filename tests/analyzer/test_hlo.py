@@ -233,6 +233,28 @@ ENTRY %main (p: (s32[], f32[4])) -> f32[4] {
     assert out.operands == ("p",) and out.operand_indices == (1,)
 
 
+def test_a_computation_closed_with_its_attributes_is_read():
+    """XLA:TPU ends SparseCore computations with `}, execution_thread="sparsecore"` (the
+    partitioned module of a v5p:2x2x2 decoder has 28 of them)."""
+    text = """HloModule m
+
+%on_sparsecore (p: s32[4]) -> s32[4] {
+  %p = s32[4]{0} parameter(0)
+  ROOT %c = s32[4]{0} copy(%p)
+}, execution_thread="sparsecore"
+
+ENTRY %main (q: s32[4]) -> s32[4] {
+  %q = s32[4]{0} parameter(0)
+  ROOT %out = s32[4]{0} call(%q), to_apply=%on_sparsecore
+}
+"""
+    module = parse_hlo(text)
+    assert set(module.computations) == {"on_sparsecore", "main"}
+    assert [i.name for i in module.computations["on_sparsecore"].instructions] == ["p", "c"]
+    with pytest.raises(HloParseError, match="HLO line 6"):
+        parse_hlo(text.replace('}, execution_thread="sparsecore"', "}, sparsecore"))
+
+
 # ---------------------------------------------------------------- text that is not a module
 
 

@@ -178,3 +178,20 @@ def test_a_step_that_does_not_fit_the_chip_is_one_line(capsys, tmp_path):
     assert code == 2
     assert err[-1].startswith("shardlint: error: the step does not fit the chips of v5p:1x1x1")
     assert "exceeds available HBM" in err[-1] and "shard it over more devices" in err[-1]
+
+
+def test_sparsecore_computations_of_a_larger_v5p_are_read():
+    """From v5p:2x2x2 on, libtpu offloads scatters to the SparseCore and ends those
+    computations with `}, execution_thread="sparsecore"`; the partitioned module is read
+    in full and the decoder's context flatten is found."""
+    from shardlint.analyzer._compile import compile_step
+    from shardlint.examples import decoder
+
+    mesh = topology_mesh({"data": 2, "context": 4}, "v5p:2x2x2")
+    step, args = decoder.make_step(mesh, decoder.DecoderConfig(layers=2, batch=4, seq=256))
+    compiled = compile_step(step, args)
+    assert '}, execution_thread="sparsecore"' in compiled.dumped.partitioned
+    analysis = analyze(step, *args)
+    flattens = {f.source.line for f in analysis.findings
+                if f.op == "reshape" and "context" in f.axes and f.source}
+    assert flattens and analysis.collectives
