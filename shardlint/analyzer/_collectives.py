@@ -107,22 +107,31 @@ def _users(module: HloModule) -> dict[str, list[Instruction]]:
 
 
 def _first_reader(instr: Instruction, users, pick, hops: int | None = None):
-    """Walks the ops reading the collective's result, nearest first, and returns the first
-    `pick(op)` that is not None (within `hops` steps when given)."""
+    """Walks the ops reading the collective's result, nearest first, and returns the
+    `pick(op)` that is not None (within `hops` steps when given). Of several at the same
+    distance, the one earliest in the user's source wins, not the one XLA printed first:
+    XLA prints the same module in different orders (JAX 0.12's dump and `as_text()`)."""
     frontier, seen, depth = [instr], {instr.name}, 0
     while frontier and (hops is None or depth < hops):
-        nxt = []
+        nxt, found = [], []
         for node in frontier:
             for user in users.get(node.name, ()):
                 if user.name in seen:
                     continue
                 seen.add(user.name)
-                found = pick(user)
-                if found is not None:
-                    return found
+                picked = pick(user)
+                if picked is not None:
+                    found.append(picked)
                 nxt.append(user)
+        if found:
+            return min(found, key=_in_source_order)
         frontier, depth = nxt, depth + 1
     return None
+
+
+def _in_source_order(instr: Instruction) -> tuple:
+    src = instr.source
+    return (src is None, src.file if src else "", src.line if src else 0, instr.name)
 
 
 def _consumer(instr: Instruction, users) -> Instruction | None:
