@@ -38,6 +38,7 @@ import re
 from .._errors import HloParseError
 from ._hlo_text import (
     _OPERAND_RE,
+    _unclosed,
     _INT_RE,
     _Unreadable,
     _called_name,
@@ -392,7 +393,10 @@ def parse_hlo(text: str) -> HloModule:
     names: dict[str, Instruction] = {}
     root: Instruction | None = None
     in_tables = False
-    for number, line in enumerate(lines[1:], 2):
+    index = 1
+    while index < len(lines):
+        number, line = index + 1, lines[index]
+        index += 1
         stripped = line.strip()
         if current is None:
             if not stripped:
@@ -422,6 +426,13 @@ def parse_hlo(text: str) -> HloModule:
             continue
         if not stripped:
             continue
+        # An attribute value may run over several lines (libtpu 0.0.50.1 prints
+        # `frontend_attributes={kernel_metadata={` and the metadata below it): the
+        # instruction goes on until its brackets and quotes close. Lines ending in a
+        # closing bracket (nearly all) are not scanned.
+        while index < len(lines) and stripped[-1] not in ")}]" and _unclosed(stripped):
+            stripped += " " + lines[index].strip()
+            index += 1
         try:
             instr = _parse_instruction(stripped, current.name, frames, number)
         except _Unreadable as e:

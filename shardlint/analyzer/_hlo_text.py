@@ -90,6 +90,33 @@ def _matching(text: str, start: int) -> int:
     return -1
 
 
+def _unclosed(text: str) -> bool:
+    """Whether `text` ends inside a quote or with brackets still open (a value that goes on
+    on the next line). A bracket closed out of turn is not: the parser names that."""
+    stack: list[str] = []
+    in_quote, skip = False, -1
+    for m in _SPECIAL_RE.finditer(text):
+        i, ch = m.start(), m.group()
+        if i <= skip:
+            continue
+        if in_quote:
+            if ch == "\\":
+                skip = i + 1
+            elif ch == '"':
+                in_quote = False
+        elif ch == '"':
+            in_quote = True
+        elif ch in _BRACKETS:
+            stack.append(_BRACKETS[ch])
+        elif ch == "\\":
+            continue
+        elif not stack or ch != stack[-1]:
+            return False
+        else:
+            stack.pop()
+    return in_quote or bool(stack)
+
+
 _ATTR_KEY_RE = re.compile(r"([\w.\-]+)=")
 
 

@@ -255,6 +255,26 @@ ENTRY %main (q: s32[4]) -> s32[4] {
         parse_hlo(text.replace('}, execution_thread="sparsecore"', "}, sparsecore"))
 
 
+def test_an_attribute_value_over_several_lines_is_one_instruction():
+    """libtpu 0.0.50.1 prints MaxText's Pallas kernels with
+    `frontend_attributes={kernel_metadata={` and the metadata on the lines below."""
+    text = """HloModule m
+
+ENTRY %main (p: f32[4]) -> f32[4] {
+  %p = f32[4]{0} parameter(0)
+  ROOT %k = f32[4]{0} custom-call(%p), custom_call_target="tpu_custom_call", frontend_attributes={kernel_metadata={
+  "name": "flash {attention}"
+}}, metadata={op_name="jit(step)/pallas_call"}
+}
+"""
+    (param, kernel) = parse_hlo(text).entry.instructions
+    assert kernel.custom_call_target == "tpu_custom_call" and kernel.operands == ("p",)
+    assert kernel.op_name == "jit(step)/pallas_call"
+    assert 'flash {attention}' in kernel.attrs["frontend_attributes"]
+    with pytest.raises(HloParseError, match="HLO line 5"):
+        parse_hlo(text.replace("}}, metadata", "}, metadata"))
+
+
 # ---------------------------------------------------------------- text that is not a module
 
 
