@@ -59,7 +59,20 @@ _SPECIAL_RE = re.compile(r'[(){}\[\]"\\]')
 
 def _matching(text: str, start: int) -> int:
     """Index of the bracket closing the one at `start`, skipping quoted strings; -1 when
-    the text ends first or a bracket closes that was not opened last.
+    the text ends first or a bracket closes that was not opened last."""
+    return _scan(text, start, whole=False)[0]
+
+
+def _unclosed(text: str) -> bool:
+    """Whether `text` ends inside a quote or with brackets still open (a value that goes on
+    on the next line). A bracket closed out of turn is not: the parser names that."""
+    return _scan(text, 0, whole=True)[1]
+
+
+def _scan(text: str, start: int, whole: bool) -> tuple[int, bool]:
+    """Walks brackets and quotes from `start`: (the index where the first bracket closes,
+    or -1 when `whole` or it never does; whether the text ends with a quote or a bracket
+    still open). A bracket closed out of turn ends the walk: (-1, False).
 
     Jumps from one bracket, quote or backslash to the next (`re`), not char by char:
     metadata and backend configs make long lines."""
@@ -82,39 +95,12 @@ def _matching(text: str, start: int) -> int:
         elif ch == "\\":
             continue
         elif not stack or ch != stack[-1]:
-            return -1
+            return -1, False
         else:
             stack.pop()
-            if not stack:
-                return i
-    return -1
-
-
-def _unclosed(text: str) -> bool:
-    """Whether `text` ends inside a quote or with brackets still open (a value that goes on
-    on the next line). A bracket closed out of turn is not: the parser names that."""
-    stack: list[str] = []
-    in_quote, skip = False, -1
-    for m in _SPECIAL_RE.finditer(text):
-        i, ch = m.start(), m.group()
-        if i <= skip:
-            continue
-        if in_quote:
-            if ch == "\\":
-                skip = i + 1
-            elif ch == '"':
-                in_quote = False
-        elif ch == '"':
-            in_quote = True
-        elif ch in _BRACKETS:
-            stack.append(_BRACKETS[ch])
-        elif ch == "\\":
-            continue
-        elif not stack or ch != stack[-1]:
-            return False
-        else:
-            stack.pop()
-    return in_quote or bool(stack)
+            if not stack and not whole:
+                return i, False
+    return -1, in_quote or bool(stack)
 
 
 _ATTR_KEY_RE = re.compile(r"([\w.\-]+)=")
