@@ -100,7 +100,7 @@ def compile_step(fn: Callable, args: tuple, mesh=None, progress=None,
                     compiled = lowered.compile(compiler_options=_DUMP_OPTIONS | {"xla_dump_to": dump_dir})
             except Exception as e:
                 raise compile_error(e, info, topology) from e
-        dumped = read_dump(dump_dir)
+        dumped = read_dump(dump_dir, compiled_only=True)
     finally:
         shutil.rmtree(dump_dir, ignore_errors=True)
     if dumped.propagated is None and info.num_devices > 1:

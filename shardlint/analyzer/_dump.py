@@ -88,9 +88,10 @@ class _Candidate:
         return f"{self.stem} ({self.lines:,} lines)"
 
 
-def read_dump(folder: str, module: str | None = None) -> DumpedModule:
+def read_dump(folder: str, module: str | None = None, *, compiled_only: bool = False) -> DumpedModule:
     """The training step's module in `folder` (or the one `module` names: its HLO name,
-    its stem, or its number such as `module_0012`)."""
+    its stem, or its number such as `module_0012`). `compiled_only` reads the propagated
+    and partitioned HLO alone: a live compile knows the rest from the traced program."""
     chosen = _choose(_candidates(folder), folder, module)
     files = set(os.listdir(folder))
 
@@ -113,9 +114,9 @@ def read_dump(folder: str, module: str | None = None) -> DumpedModule:
         partitioned=partitioned,
         propagated=text(names["propagated"]),
         propagation_pass=_PROPAGATED_RE.match(propagated[-1]).group(2) if propagated else None,
-        given=text(names["given"]),
-        stablehlo=_read(mlir) if os.path.isfile(mlir) else None,
-        buffer_assignment=text(chosen.stem + buffers[0]) if buffers else None,
+        given=None if compiled_only else text(names["given"]),
+        stablehlo=_read(mlir) if os.path.isfile(mlir) and not compiled_only else None,
+        buffer_assignment=text(chosen.stem + buffers[0]) if buffers and not compiled_only else None,
         files={k: os.path.join(folder, v) for k, v in names.items() if v},
     )
 
