@@ -11,13 +11,24 @@ router: uneven, as at initialisation).
 
 Rows, each forward and forward+backward (a VJP with respect to the weights and the input:
 three times the forward FLOPs):
-  grouped SwiGLU   three `jax.lax.ragged_dot` over the T*K rows already sorted by expert
+  grouped SwiGLU   three `jax.lax.ragged_dot` over the T*K rows already sorted by expert;
+                   the line above the table says what XLA compiled them to (a kept
+                   ragged-dot, a cuDNN fusion, or dense cuBLAS products over every expert)
+  capacity SwiGLU  the same rows in [E, C, D] expert slots, C the largest group (nothing
+                   drops), three expert-batched einsums: the grouped matmul as dense
+                   batched GEMMs, about E*C/(T*K) times the useful FLOPs
   dense SwiGLU     hidden K*F over the T tokens: the same FLOPs, no routing
   routed MoE layer `shardlint.moe.RoutedMoE` end to end (route, sort, grouped matmuls,
                    unsort, combine), credited with the expert matmuls' FLOPs only, so its
                    gap to the grouped row is what routing and sorting cost
   bf16 matmul      one --ceiling^3 product (8192): the ceiling this machine reaches in
                    practice
+
+Then the two MoE layers as a training step (value_and_grad of a scalar loss w.r.t. the
+params and x) on a one-device mesh: `RoutedMoE` and `ShardedRoutedMoE` (its shard_map over
+that mesh, nothing to gather: on one device the two do the same work, so their ratio is
+what the sharded layer's structure costs), each with its median step time and XLA's temp
+memory from `memory_analysis()`.
 
 Times are medians of --repeats calls after two warm-up calls, each ended with
 `jax.block_until_ready`. MFU = model FLOPs / median time / peak dense bf16 FLOP/s, the
@@ -36,17 +47,21 @@ runs it anyway, to check the script with small sizes; those numbers mean nothing
 from __future__ import annotations
 
 import argparse
+import collections
+import os
 import sys
 from pathlib import Path
 from typing import Callable
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import AxisType
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
 from _common import median_seconds  # noqa: E402
 from shardlint import moe  # noqa: E402
+from shardlint.moe import _experts as moe_experts  # noqa: E402
 
 # Dense bf16 peak FLOP/s by device_kind (datasheet, no sparsity), most specific first.
 PEAKS = (("h100 pcie", 756e12), ("h100 nvl", 835e12), ("h100", 989e12), ("h200", 989e12),
@@ -62,6 +77,11 @@ def grouped_swiglu(w, x_MD, sizes_E):
     h0_MF = jax.lax.ragged_dot(x_MD, w["wi_0"], sizes_E)
     h1_MF = jax.lax.ragged_dot(x_MD, w["wi_1"], sizes_E)
     return jax.lax.ragged_dot(jax.nn.silu(h0_MF) * h1_MF, w["wo"], sizes_E)
+
+
+def capacity_swiglu(w, x_ECD):
+    """The grouped matmul as expert-batched einsums over [E, C, D] slots (capacity C)."""
+    return moe_experts.batched_swiglu(x_ECD, w["wi_0"], w["wi_1"], w["wo"])
 
 
 def dense_swiglu(w, x_TD):
@@ -114,12 +134,20 @@ def main() -> int:
     x_MD = jnp.repeat(x_TD, K, axis=0)[order_M]
     sizes_E = jnp.bincount(experts_TK.reshape(M), length=E).astype(jnp.int32)
     x_BSD = x_TD.reshape(args.batch, args.seq, D)
+    # The same sorted rows in per-expert slots of the largest group's size: nothing drops.
+    C = int(sizes_E.max())
+    expert_M = jnp.sort(experts_TK.reshape(M))
+    slot_M = jnp.arange(M) - (jnp.cumsum(sizes_E) - sizes_E)[expert_M]
+    x_ECD = jnp.zeros((E, C, D), jnp.bfloat16).at[expert_M, slot_M].set(x_MD)
     layer = moe.RoutedMoE(cfg)
     ct = {"grouped": jnp.ones((M, D), jnp.bfloat16), "dense": jnp.ones((T, D), jnp.bfloat16),
+          "capacity": jnp.ones((E, C, D), jnp.bfloat16),
           "layer": jnp.ones((args.batch, args.seq, D), jnp.bfloat16)}
     flops = 3 * 2 * M * D * F  # forward; dense: 3 * 2 * T * D * (K * F), the same
     cases = [
         ("grouped SwiGLU (ragged_dot)", grouped_swiglu, grouped_w, x_MD, (sizes_E,), ct["grouped"]),
+        (f"capacity SwiGLU (C={C}, einsum)", capacity_swiglu, grouped_w, x_ECD, (),
+         ct["capacity"]),
         (f"dense SwiGLU (hidden {H})", dense_swiglu, dense_w, x_TD, (), ct["dense"]),
         ("routed MoE layer (RoutedMoE)", lambda w, x: layer(w, x), experts, x_BSD, (), ct["layer"]),
     ]
@@ -129,6 +157,8 @@ def main() -> int:
           f"median of {args.repeats}")
     print("peak: " + (f"{peak / 1e12:.0f} TFLOP/s dense bf16" if peak else
                       f"unknown peak for {device.device_kind!r}: MFU not computed"))
+    print(f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}; ragged_dot compiles to: "
+          + _lowering(grouped_swiglu, grouped_w, x_MD, sizes_E))
     print(f"\n{'':<32}{'forward':>28}{'forward+backward':>28}")
     results = {}
     for name, f, w, x, rest, cotangent in cases:
@@ -142,11 +172,52 @@ def main() -> int:
     a = jax.random.normal(jax.random.key(2), (n, n), jnp.bfloat16)
     t = median_seconds(jax.jit(lambda a: a @ a), a, repeats=args.repeats, warmup=2)
     print(f"{f'bf16 matmul {n}^3 (ceiling)':<32}{_cell(t, 2 * n ** 3, peak):>28}")
-    (g_fwd, g_both), (d_fwd, d_both) = results[cases[0][0]], results[cases[1][0]]
-    print(f"\ngrouped / dense achieved FLOP/s: forward {g_fwd / d_fwd:.3f}, "
-          f"forward+backward {g_both / d_both:.3f} (TPU v5p in DESIGN.md: 29.01% / 27.82% "
-          f"= {29.01 / 27.82:.3f})")
+    dense_fwd, dense_both = results[cases[2][0]]
+    for name in (cases[0][0], cases[1][0]):
+        fwd, both = results[name]
+        print(f"{name} / dense SwiGLU achieved FLOP/s: forward {fwd / dense_fwd:.3f}, "
+              f"forward+backward {both / dense_both:.3f}")
+    print(f"(TPU v5p in DESIGN.md, grouped matmul / dense MLP: 29.01% / 27.82% MFU = "
+          f"{29.01 / 27.82:.3f})")
+    _layer_steps(cfg, experts, x_BSD, args.repeats, peak, 3 * flops)
     return 0
+
+
+def _layer_steps(cfg: moe.MoeConfig, params, x_BSD, repeats: int, peak: float | None,
+                 flops: float) -> None:
+    """RoutedMoE vs ShardedRoutedMoE as a training step on a one-device mesh."""
+    mesh = jax.make_mesh((1, 1), ("data", "context"), axis_types=(AxisType.Auto,) * 2,
+                         devices=jax.devices()[:1])
+    layers = {"RoutedMoE": moe.RoutedMoE(cfg),
+              "ShardedRoutedMoE": moe.ShardedRoutedMoE(cfg, mesh, batch_axes=(),
+                                                       seq_axes=())}
+    print(f"\ntraining step (value_and_grad w.r.t. params and x), one device; MFU counts "
+          f"the expert matmuls only\n{'':<32}{'step':>28}{'temp MiB':>12}")
+    times = {}
+    for name, layer in layers.items():
+        loss = lambda p, x, layer=layer: jnp.mean(jnp.square(layer(p, x).astype(jnp.float32)))
+        step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+        compiled = step.lower(params, x_BSD).compile()
+        temp = compiled.memory_analysis().temp_size_in_bytes / 2 ** 20
+        times[name] = median_seconds(compiled, params, x_BSD, repeats=repeats, warmup=2)
+        print(f"{name:<32}{_cell(times[name], flops, peak):>28}{temp:12.1f}", flush=True)
+    print(f"ShardedRoutedMoE / RoutedMoE step time: "
+          f"{times['ShardedRoutedMoE'] / times['RoutedMoE']:.3f}")
+
+
+def _lowering(f: Callable, *args) -> str:
+    """What XLA made of the ragged_dots: the instructions of the compiled forward that
+    carry them (ragged-dot kept, a cuDNN or cuBLAS custom call, or dense dots)."""
+    text = jax.jit(f).lower(*args).compile().as_text()
+    ops = collections.Counter()
+    for line in text.splitlines():
+        if " ragged-dot(" in line:
+            ops["ragged-dot"] += 1
+        elif "custom-call(" in line and 'custom_call_target="' in line:
+            ops["custom-call " + line.split('custom_call_target="')[1].split('"')[0]] += 1
+        elif " dot(" in line:
+            ops["dot " + line.split("=", 1)[1].split(" dot(")[0].strip()] += 1
+    return ", ".join(f"{n} x {op}" for op, n in ops.most_common()) or "nothing recognised"
 
 
 def _cell(seconds: float, flops: float, peak: float | None) -> str:
