@@ -84,7 +84,7 @@ class _Emitter:
 
     def _group(self, grp: Group, level: Level, env, stacked) -> None:
         plan, token_axes = self.plan, self.token_axes
-        l_eqns = level.local.eqns
+        eqns, l_eqns = level.jaxpr.eqns, level.local.eqns
         passed = [v for v in grp.inputs if v not in level.built]
         sharded_out = [v for v in grp.outputs if v in plan.specs]
         summed_out = [v for v in grp.outputs if v in grp.summed]
@@ -95,16 +95,18 @@ class _Emitter:
         arrives_stacked = [v in stacked for v in passed]
 
         def body(*local_inputs):
-            local: dict = {}
+            given: dict = {}     # the group's inputs, by their global Vars
+            local: dict = {}     # what the shard computes, by the per-shard trace's Vars
             memo: dict = {}
             for v, value, is_stacked in zip(passed, local_inputs, arrives_stacked):
-                local[plan.local_of[v]] = value[0] if is_stacked else value
+                given[v] = value[0] if is_stacked else value
             for v in grp.inputs:
                 if v in level.built:
-                    local[plan.local_of[v]] = level.built[v](memo)
+                    given[v] = level.built[v](memo)
             for i in grp.eqns:
                 eqn = l_eqns[i]
-                local.update(zip(eqn.outvars, bind_eqn(eqn, [read(local, a) for a in eqn.invars], manual=True)))
+                invals = [_operand(local, given, g, a) for g, a in zip(eqns[i].invars, eqn.invars)]
+                local.update(zip(eqn.outvars, bind_eqn(eqn, invals, manual=True)))
             return (tuple(local[plan.local_of[v]] for v in sharded_out)
                     + tuple(jax.lax.psum(local[plan.local_of[v]], token_axes) for v in summed_out)
                     + tuple(local[plan.local_of[v]][None] for v in stacked_out))
@@ -119,3 +121,14 @@ class _Emitter:
         env.update(zip(sharded_out, results[:n1]))
         env.update(zip(summed_out, results[n1:n2]))
         stacked.update(zip(stacked_out, results[n2:]))
+
+
+def _operand(local: dict, given: dict, g_atom, l_atom):
+    """An operand of a per-shard equation: a literal, a value the shard computed, or else
+    the group's input at the same place of the global equation (the two traces may hand
+    a body the same value under other names, or as a literal in one and not the other)."""
+    if _jax.is_literal(l_atom):
+        return l_atom.val
+    if l_atom in local:
+        return local[l_atom]
+    return g_atom.val if _jax.is_literal(g_atom) else given[g_atom]

@@ -24,7 +24,7 @@ def bind_eqn(eqn, invals: list, *, manual: bool = False) -> list:
     with _jax.as_traced(eqn):
         if manual and eqn.primitive.name in _ANNOTATIONS:
             return list(invals)
-        inner = _inner_jaxpr(eqn) if manual else None
+        inner = inner_jaxpr(eqn) if manual else None
         if inner is not None:
             return replay(inner, invals, manual=True)
         params = eqn.primitive.get_bind_params(eqn.params)
@@ -44,7 +44,9 @@ def replay(closed_or_open, invals: list, *, manual: bool) -> list:
     return [read(env, v) for v in jaxpr.outvars]
 
 
-def _inner_jaxpr(eqn):
+def inner_jaxpr(eqn):
+    """An equation's inner jaxpr that takes its operands one for one (a jit, remat,
+    custom-derivative call or shard_map body), else None."""
     for key in _INNER_JAXPR_PARAMS:
         inner = eqn.params.get(key)
         if inner is not None and hasattr(getattr(inner, "jaxpr", inner), "eqns"):

@@ -25,9 +25,11 @@ import jax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from .. import _jax
 from .._errors import RewriteError
 from ..analyzer._compile import parameter_argnums
 from ..analyzer._stack import display_path, is_library_file
+from ._replay import inner_jaxpr
 from ._subjaxprs import sub_of
 
 
@@ -93,16 +95,96 @@ def trace_step(step: Callable, args: tuple, axes: TokenAxes, mesh) -> Traces:
 
 
 def pair_vars(global_jaxpr, other_jaxpr, pairs: dict | None = None) -> dict:
-    """Global Var -> the Var at the same place in the other trace, inner jaxprs included."""
+    """Global Var -> the Var at the same place in the other trace, inner jaxprs included.
+
+    Both traces run the same equations, but a body's operands need not line up: at other
+    sizes JAX may hoist a different set of loop-invariant values out of a scan, or fold one
+    into a literal (MaxText's Qwen3-Next layers give their scan 93 operands at the global
+    shapes and 98 at one shard's). So a body's inputs are paired where the body uses them,
+    its call's operands through them, and the call's results through the values its body
+    returns. The step's own inputs are its arguments, one for one.
+    """
     pairs = {} if pairs is None else pairs
     pairs.update(zip(global_jaxpr.constvars, other_jaxpr.constvars))
     pairs.update(zip(global_jaxpr.invars, other_jaxpr.invars))
-    for g, o in zip(global_jaxpr.eqns, other_jaxpr.eqns):
-        pairs.update(zip(g.outvars, o.outvars))
-        g_sub, o_sub = sub_of(g), sub_of(o)
-        if g_sub is not None and o_sub is not None:
-            pair_vars(g_sub.jaxpr, o_sub.jaxpr, pairs)
+    _pair_body(global_jaxpr, other_jaxpr, pairs)
     return pairs
+
+
+def _pair_body(g, o, pairs: dict) -> None:
+    for g_eqn, o_eqn in zip(g.eqns, o.eqns):
+        g_inner, o_inner = _inner_of(g_eqn), _inner_of(o_eqn)
+        if g_inner is None or o_inner is None or not _same_primitives(g_inner, o_inner):
+            if len(g_eqn.invars) == len(o_eqn.invars):
+                _pair_uses(g_eqn.invars, o_eqn.invars, pairs)
+            _pair_results(g_eqn, o_eqn, pairs)
+            continue
+        if len(g_inner.constvars) == len(o_inner.constvars):
+            pairs.update(zip(g_inner.constvars, o_inner.constvars))
+        _pair_body(g_inner, o_inner, pairs)
+        _pair_uses(g_eqn.invars, [_through(a, v, o_inner.invars, o_eqn.invars, pairs)
+                                  for a, v in zip(g_eqn.invars, g_inner.invars)], pairs)
+        for g_out, inner in zip(g_eqn.outvars, g_inner.outvars):
+            o_out = _through(g_out, inner, o_inner.outvars, o_eqn.outvars, pairs)
+            if o_out is not None:
+                _pair(g_out, o_out, pairs)
+
+
+def _inner_of(eqn):
+    """The open jaxpr of a call whose operands and results it takes one for one: those
+    the rewrite enters (`sub_of`), and calls it only replays (a user's own shard_map)."""
+    sub = sub_of(eqn)
+    if sub is not None:
+        return sub.jaxpr
+    inner = inner_jaxpr(eqn)
+    return None if inner is None else getattr(inner, "jaxpr", inner)
+
+
+def _same_primitives(g, o) -> bool:
+    return [e.primitive.name for e in g.eqns] == [e.primitive.name for e in o.eqns]
+
+
+def _through(outer, inner, o_inner_atoms, o_outer_atoms, pairs):
+    """The other trace's operand (or result) of a call whose body input (or output) is
+    paired with `inner`: where the other body names that partner, at a place where the
+    call's value is alike with `outer` (a scan may return one value as a carry and stacked)."""
+    partner = None if _jax.is_literal(inner) else pairs.get(inner)
+    if partner is None or _jax.is_literal(outer):
+        return None
+    return next((o for i, o in zip(o_inner_atoms, o_outer_atoms)
+                 if i is partner and not _jax.is_literal(o) and _alike(outer, o)), None)
+
+
+def _pair_uses(g_atoms, o_atoms, pairs: dict) -> None:
+    for a, b in zip(g_atoms, o_atoms):
+        if b is not None and not _jax.is_literal(a) and not _jax.is_literal(b) and a not in pairs:
+            _pair(a, b, pairs)
+
+
+def _pair_results(g_eqn, o_eqn, pairs: dict) -> None:
+    """An equation's results one for one, unless they do not line up: a call whose body
+    is not read (`while`, `cond`) may return other values at other sizes. Those stay
+    unpaired, so nothing counts them as carrying tokens, and a region that reads one
+    fails to trace and is refused."""
+    if len(g_eqn.outvars) != len(o_eqn.outvars) or not all(map(_alike, g_eqn.outvars, o_eqn.outvars)):
+        return
+    pairs.update(zip(g_eqn.outvars, o_eqn.outvars))
+
+
+def _alike(a, b) -> bool:
+    """Whether two Vars can be the same value at two sizes: same dtype and rank."""
+    ga, oa = a.aval, b.aval
+    return (getattr(ga, "dtype", None) == getattr(oa, "dtype", None)
+            and len(getattr(ga, "shape", ())) == len(getattr(oa, "shape", ())))
+
+
+def _pair(a, b, pairs: dict) -> None:
+    """Pairs two Vars, refusing what cannot be the same value at another size."""
+    if not _alike(a, b):
+        raise RewriteError(f"the step's traces at its own and at one shard's shapes do not line "
+                           f"up ({a.aval.str_short()} against {b.aval.str_short()}): it cannot be "
+                           "rewritten per shard. Please report it with this message")
+    pairs[a] = b
 
 
 def _same_equations(g, o) -> None:
@@ -119,8 +201,6 @@ def _same_equations(g, o) -> None:
 
 
 def _at(eqn) -> str:
-    from .. import _jax
-
     frame = _jax.user_frame(eqn) if eqn is not None else None
     return f" at {display_path(frame[0])}:{frame[1]}" if frame else ""
 

@@ -9,8 +9,11 @@ scanned, pre-jitted, nnx and scatter-dispatch steps are the analyzer's
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -45,6 +48,30 @@ def make_scanned_scatter_step(mesh, remat: bool = False):
 
     def model(params, x_BSD):
         out_BSD, _ = jax.lax.scan(body, x_BSD, params)
+        return out_BSD
+
+    return _loss_step(model), (_moe_params(mesh, layers=(LAYERS,)), _batch(mesh))
+
+
+@functools.lru_cache
+def _ramp(n: int) -> np.ndarray:
+    """A constant table built from a size and cached, as models cache position tables."""
+    return np.linspace(0.5, 1.5, n, dtype=np.float32)
+
+
+def make_size_cached_tables_step(mesh):
+    """`lax.scan` over LAYERS remat layers that scale x by cached tables of its sequence
+    and embed sizes, then the routed MoE. The scan takes the tables as operands, one per
+    distinct table: at data=2 x context=4 one shard's sequence (16) equals the embed size,
+    so the per-shard trace hands its scan one table where the global trace hands two."""
+
+    def layer(x_BSD, params):
+        _, s, d = x_BSD.shape
+        x_BSD = x_BSD * jnp.expand_dims(_ramp(s), (0, 2)) * _ramp(d)   # the tables themselves
+        return x_BSD + routed_moe(params, x_BSD, TOP_K), None
+
+    def model(params, x_BSD):
+        out_BSD, _ = jax.lax.scan(jax.checkpoint(layer), x_BSD, params)
         return out_BSD
 
     return _loss_step(model), (_moe_params(mesh, layers=(LAYERS,)), _batch(mesh))

@@ -17,7 +17,7 @@ from shardlint.rewrites import verify_same
 from shardlint.rewrites._subjaxprs import sub_of
 
 from analyzer import cause_steps
-from analyzer.cause_steps import LAYERS
+from analyzer.cause_steps import EMB, LAYERS, SEQ
 
 from . import rewrite_steps
 
@@ -32,6 +32,8 @@ CASES = {
     # MaxText's dense path in miniature: top_k and a scatter into [batch, seq, experts].
     "scatter dispatch, no flatten": (cause_steps.make_scatter_dispatch_step, {}, {}),
     "scatter dispatch, scanned+remat": (rewrite_steps.make_scanned_scatter_step, {"remat": True}, {}),
+    # JAX hands the scan one table per shard and two globally: the traces pair by use.
+    "size-cached tables, scanned+remat": (rewrite_steps.make_size_cached_tables_step, {}, {}),
     # GShard capacity, opted in to per-shard capacity; at this factor nothing drops.
     "gshard, per-shard capacity": (rewrite_steps.make_gshard_step, {"capacity_factor": 4.0},
                                    {"capacity": "per-shard"}),
@@ -125,6 +127,24 @@ def test_scanned_step_keeps_its_scans_and_layer_count(name):
     got = scans(jax.make_jaxpr(fixed)(*args).jaxpr)
     assert want == [LAYERS, LAYERS]     # forward and backward
     assert got == want
+
+
+def test_traces_whose_scan_operands_differ_are_paired_by_use():
+    """The per-shard trace gives the scan other operands than the global one (one cached
+    table where there are two); the pairing follows the body's uses, not positions."""
+    from shardlint.rewrites._trace import TokenAxes, pair_vars, trace_step
+
+    mesh = _mesh(4)
+    fn, args = rewrite_steps.make_size_cached_tables_step(mesh)
+    traces = trace_step(fn, args, TokenAxes(("data",), ("context",)), mesh)
+    g, l = traces.global_jaxpr.jaxpr, traces.local_jaxpr.jaxpr
+    operands = [(e.invars, f.invars) for e, f in zip(g.eqns, l.eqns) if e.primitive.name == "scan"]
+    assert [(len(a), len(b)) for a, b in operands] == [(16, 16), (7, 6)]   # forward, backward
+    pairs = pair_vars(g, l)
+    assert all(o.aval.dtype == v.aval.dtype and o.aval.ndim == v.aval.ndim for v, o in pairs.items())
+    # The backward scan's two global tables both pair with the shard's one table.
+    tables = [v for v in operands[1][0] if getattr(v, "aval", None) is not None and v.aval.shape in ((SEQ,), (EMB,))]
+    assert len(tables) == 2 and pairs[tables[0]] is pairs[tables[1]]
 
 
 @functools.cache
