@@ -13,7 +13,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -54,16 +53,19 @@ def make_scanned_scatter_step(mesh, remat: bool = False):
 
 
 @functools.lru_cache
-def _ramp(n: int) -> np.ndarray:
-    """A constant table built from a size and cached, as models cache position tables."""
-    return np.linspace(0.5, 1.5, n, dtype=np.float32)
+def _ramp(n: int) -> jax.Array:
+    """A table built from a size once and cached (computed eagerly even under a trace), as
+    models cache position tables."""
+    with jax.ensure_compile_time_eval():
+        return jnp.linspace(0.5, 1.5, n, dtype=jnp.float32)
 
 
 def make_size_cached_tables_step(mesh):
     """`lax.scan` over LAYERS remat layers that scale x by cached tables of its sequence
-    and embed sizes, then the routed MoE. The scan takes the tables as operands, one per
-    distinct table: at data=2 x context=4 one shard's sequence (16) equals the embed size,
-    so the per-shard trace hands its scan one table where the global trace hands two."""
+    and embed sizes, then the routed MoE. The backward scan takes the tables as operands,
+    one per distinct table: at data=2 x context=4 one shard's sequence (16) equals the
+    embed size, so the per-shard trace hands it one table where the global trace hands two
+    (7 operands against 6, JAX 0.10.2 and 0.12)."""
 
     def layer(x_BSD, params):
         _, s, d = x_BSD.shape
