@@ -19,14 +19,15 @@ class Builders:
     """Token-sized values built from constants alone (iota, zeros, `arange(T) // K`): a
     shard rebuilds them at its own size by replaying the per-shard trace's equations."""
 
-    def __init__(self, jaxpr, local, local_consts, producer, scaled, built_in,
+    def __init__(self, jaxpr, local, local_consts, producer, scaled, built_in, local_of,
                  positional_in=frozenset()):
         self.eqns, self.l_eqns = jaxpr.eqns, local.eqns
         self.producer, self.scaled, self.built_in = producer, scaled, built_in
         self.positional_in = positional_in   # the built_in values that hold positions
         self.local_consts = dict(zip(local.constvars, local_consts))
-        self.constvars = set(jaxpr.constvars)
-        self.local_constvar = dict(zip(jaxpr.constvars, local.constvars))
+        # A constant the per-shard trace has too (the traces pair values by use, `pair_vars`).
+        self.local_constvar = {v: local_of[v] for v in jaxpr.constvars if v in local_of}
+        self.constvars = set(self.local_constvar)
         self._memo: dict = {}
         self._positions: dict = {}
 
@@ -46,10 +47,12 @@ class Builders:
             elif v in self.constvars:
                 value = np.asarray(self.local_consts[self.local_constvar[v]])
                 found = value.size > 1 and not bool(np.all(value == value.flat[0]))
-            else:
+            elif v in self.producer:
                 eqn = self.eqns[self.producer[v]]
                 found = eqn.primitive.name == "iota" or any(
                     self.holds_positions(u) for u in _vars(eqn.invars))
+            else:   # a constant only the global trace has: not buildable, no positions
+                found = False
             self._positions[v] = found
         return self._positions[v]
 

@@ -101,7 +101,8 @@ class _Planner:
         producer = {v: i for i, e in enumerate(eqns) for v in e.outvars}
         consumers = consumers_of(eqns)
         g = self.grower
-        builders = Builders(jaxpr, local, local_consts, producer, g.scaled, built_in or {}, positional_in)
+        builders = Builders(jaxpr, local, local_consts, producer, g.scaled, built_in or {},
+                            self.local_of, positional_in)
         region, scrambled = self.grower.region(eqns, producer, consumers, scrambled_in, stacked_in,
                                                leaves=builders.leaves())
         if region and not g.per_shard_capacity:

@@ -3,8 +3,9 @@
 The step is traced at its global shapes, at one shard's shapes (the data arguments'
 batch and sequence dimensions divided by their mesh degrees), and with only the sequence
 divided. The traces have the same equations (the user's code runs the same way at any
-size), inside jit, scan and checkpoint bodies too; a value whose dimension shrinks
-carries tokens along it, and by how much says which mesh axes shard it. Only data
+size), inside jit, scan and checkpoint bodies too, and their values are paired where the
+equations use them (`pair_vars`); a value whose dimension shrinks carries tokens along
+it, and by how much says which mesh axes shard it. Only data
 arguments shrink: parameters and optimizer state (the positional arguments a training
 step returns, as the analyzer reads them) keep their global shapes however they are
 sharded, so FSDP weights stay what they are.
@@ -94,19 +95,18 @@ def trace_step(step: Callable, args: tuple, axes: TokenAxes, mesh) -> Traces:
     return Traces(global_jaxpr, local_jaxpr, seq_jaxpr, out_tree[0], jit_eqn)
 
 
-def pair_vars(global_jaxpr, other_jaxpr, pairs: dict | None = None) -> dict:
+def pair_vars(global_jaxpr, other_jaxpr) -> dict:
     """Global Var -> the Var at the same place in the other trace, inner jaxprs included.
 
-    Both traces run the same equations, but a body's operands need not line up: at other
-    sizes JAX may hoist a different set of loop-invariant values out of a scan, or fold one
-    into a literal (MaxText's Qwen3-Next layers give their scan 93 operands at the global
-    shapes and 98 at one shard's). So a body's inputs are paired where the body uses them,
-    its call's operands through them, and the call's results through the values its body
-    returns. The step's own inputs are its arguments, one for one.
+    Both traces run the same equations, but their operand lists need not line up: at other
+    sizes JAX may hoist or share a different set of constants (a table cached per size is
+    one constant where two sizes coincide), so a scan or shard_map gets other operands
+    (MaxText's Qwen3-Next layers give their scan 93 operands at the global shapes and 98 at
+    one shard's). So only the step's own inputs pair one for one; every other input pairs
+    where it is first used, a call's operands through its body's inputs and its results
+    through the values its body returns.
     """
-    pairs = {} if pairs is None else pairs
-    pairs.update(zip(global_jaxpr.constvars, other_jaxpr.constvars))
-    pairs.update(zip(global_jaxpr.invars, other_jaxpr.invars))
+    pairs = dict(zip(global_jaxpr.invars, other_jaxpr.invars))
     _pair_body(global_jaxpr, other_jaxpr, pairs)
     return pairs
 
@@ -119,8 +119,6 @@ def _pair_body(g, o, pairs: dict) -> None:
                 _pair_uses(g_eqn.invars, o_eqn.invars, pairs)
             _pair_results(g_eqn, o_eqn, pairs)
             continue
-        if len(g_inner.constvars) == len(o_inner.constvars):
-            pairs.update(zip(g_inner.constvars, o_inner.constvars))
         _pair_body(g_inner, o_inner, pairs)
         _pair_uses(g_eqn.invars, [_through(a, v, o_inner.invars, o_eqn.invars, pairs)
                                   for a, v in zip(g_eqn.invars, g_inner.invars)], pairs)
@@ -188,7 +186,7 @@ def _pair(a, b, pairs: dict) -> None:
 
 
 def _same_equations(g, o) -> None:
-    if [e.primitive.name for e in g.eqns] != [e.primitive.name for e in o.eqns]:
+    if not _same_primitives(g, o):
         where = next((e for e, f in zip(g.eqns, o.eqns) if e.primitive.name != f.primitive.name), None)
         raise RewriteError(
             "the step traces differently at per-shard shapes (shape-dependent Python control "
