@@ -61,6 +61,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 from _common import median_seconds  # noqa: E402
 from shardlint import moe  # noqa: E402
+from shardlint.analyzer._hlo import parse_hlo  # noqa: E402
 from shardlint.moe import _experts as moe_experts  # noqa: E402
 
 # Dense bf16 peak FLOP/s by device_kind (datasheet, no sparsity), most specific first.
@@ -207,16 +208,16 @@ def _layer_steps(cfg: moe.MoeConfig, params, x_BSD, repeats: int, peak: float | 
 
 def _lowering(f: Callable, *args) -> str:
     """What XLA made of the ragged_dots: the instructions of the compiled forward that
-    carry them (ragged-dot kept, a cuDNN or cuBLAS custom call, or dense dots)."""
-    text = jax.jit(f).lower(*args).compile().as_text()
+    carry them (ragged-dot kept, a cuDNN or cuBLAS custom call, or dense dots), read with
+    shardlint's HLO parser."""
     ops = collections.Counter()
-    for line in text.splitlines():
-        if " ragged-dot(" in line:
+    for instr in parse_hlo(jax.jit(f).lower(*args).compile().as_text()).instructions():
+        if instr.opcode == "ragged-dot":
             ops["ragged-dot"] += 1
-        elif "custom-call(" in line and 'custom_call_target="' in line:
-            ops["custom-call " + line.split('custom_call_target="')[1].split('"')[0]] += 1
-        elif " dot(" in line:
-            ops["dot " + line.split("=", 1)[1].split(" dot(")[0].strip()] += 1
+        elif instr.opcode == "custom-call" and instr.custom_call_target:
+            ops[f"custom-call {instr.custom_call_target}"] += 1
+        elif instr.opcode == "dot":
+            ops[f"dot {', '.join(map(str, instr.result))}"] += 1
     return ", ".join(f"{n} x {op}" for op, n in ops.most_common()) or "nothing recognised"
 
 

@@ -107,12 +107,11 @@ def _largest_gathers(analysis, top: int = 4) -> str:
     with N goes."""
     from collections import Counter
 
-    from shardlint.reports import human_bytes
+    from shardlint._format import human_bytes, source_text
 
     moved: Counter = Counter()
     for c in analysis.all_gathers():
-        where = f"{c.source.file.split('/maxtext/')[-1]}:{c.source.line}" if c.source else "?"
-        moved[(where, ",".join(c.axes), c.cause)] += c.result_bytes * (c.trips or 1)
+        moved[(source_text(c.source), ",".join(c.axes), c.cause)] += c.result_bytes * (c.trips or 1)
     return "; ".join(f"{human_bytes(b)} {cause} over {axes} at {where}"
                      for (where, axes, cause), b in moved.most_common(top))
 

@@ -25,16 +25,15 @@ class Builders:
         self.producer, self.scaled, self.built_in = producer, scaled, built_in
         self.positional_in = positional_in   # the built_in values that hold positions
         self.local_consts = dict(zip(local.constvars, local_consts))
-        # A constant the per-shard trace has too (the traces pair values by use, `pair_vars`).
+        # The constants the per-shard trace has too (the traces pair values by use, `pair_vars`).
         self.local_constvar = {v: local_of[v] for v in jaxpr.constvars if v in local_of}
-        self.constvars = set(self.local_constvar)
         self._memo: dict = {}
         self._positions: dict = {}
 
     def leaves(self) -> dict:
         """The token-sized values of this jaxpr that are buildable with no equation of it
         (built in an outer jaxpr, or constants), and whether each holds positions."""
-        return {v: self.holds_positions(v) for v in (*self.built_in, *self.constvars)
+        return {v: self.holds_positions(v) for v in (*self.built_in, *self.local_constvar)
                 if v in self.scaled}
 
     def holds_positions(self, v) -> bool:
@@ -44,7 +43,7 @@ class Builders:
             self._positions[v] = False
             if v in self.built_in:
                 found = v in self.positional_in
-            elif v in self.constvars:
+            elif v in self.local_constvar:
                 value = np.asarray(self.local_consts[self.local_constvar[v]])
                 found = value.size > 1 and not bool(np.all(value == value.flat[0]))
             elif v in self.producer:
@@ -61,7 +60,7 @@ class Builders:
             return self._memo[v]
         self._memo[v] = False
         p = self.producer.get(v)
-        ok = v in self.built_in or v in self.constvars or (
+        ok = v in self.built_in or v in self.local_constvar or (
             p is not None and all(self.can_build(u) for u in _vars(self.eqns[p].invars)))
         self._memo[v] = ok
         return ok
@@ -70,7 +69,7 @@ class Builders:
         """A function of a per-body memo that returns `v` at one shard's size."""
         if v in self.built_in:
             return self.built_in[v]
-        if v in self.constvars:
+        if v in self.local_constvar:
             value = self.local_consts[self.local_constvar[v]]
             return lambda memo: value
         p = self.producer[v]

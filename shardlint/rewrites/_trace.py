@@ -129,11 +129,8 @@ def _pair_body(g, o, pairs: dict) -> None:
 
 
 def _inner_of(eqn):
-    """The open jaxpr of a call whose operands and results it takes one for one: those
-    the rewrite enters (`sub_of`), and calls it only replays (a user's own shard_map)."""
-    sub = sub_of(eqn)
-    if sub is not None:
-        return sub.jaxpr
+    """The open jaxpr of a call that takes its operands and gives its results one for one
+    (jit, scan, checkpoint, custom-derivative calls, a user's own shard_map), else None."""
     inner = inner_jaxpr(eqn)
     return None if inner is None else getattr(inner, "jaxpr", inner)
 
