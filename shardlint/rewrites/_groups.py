@@ -53,12 +53,13 @@ def convex_groups(eqns, region: set[int]) -> list[Group]:
 
 
 def boundaries(level, eqns, l_eqns, producer, consumers, outvars: dict, crossable, *,
-               sharded: set, scrambled: set, per_shard: set) -> None:
+               sharded: set, scrambled: set, labels: set, per_shard: set) -> None:
     """Fills each group's inputs and outputs, and the level's per-shard results.
 
     `sharded` values carry tokens along a dimension sharded like the input's; those in
-    `scrambled` hold them in per-shard order. `per_shard` values have no global form (a
-    dimension sized by a per-shard capacity).
+    `scrambled` hold them in per-shard order, and those in `labels` hold only positions
+    within a shard (in block form). `per_shard` values have no global form (a dimension
+    sized by a per-shard capacity).
     """
     group_of = {i: gi for gi, grp in enumerate(level.groups) for i in grp.eqns}
     tokens = sharded | per_shard
@@ -92,6 +93,8 @@ def boundaries(level, eqns, l_eqns, producer, consumers, outvars: dict, crossabl
                         _refusals.refuse_scrambled_exit(eqns[i], v)
                     if leaves:
                         level.scrambled_out.add(at)
+                        if v in labels:
+                            level.labels_out.add(at)
                     continue
                 elif stays:
                     _refusals.require_linear(v, eqns, l_eqns, producer, mine, tokens)

@@ -50,19 +50,23 @@ class Grower:
         return set(self.specs) | self.doubly
 
     def region(self, eqns, producer, consumers, scrambled_in, stacked_in,
-               leaves: dict | None = None) -> tuple[set[int], set]:
+               leaves: dict | None = None, labels_in=frozenset()) -> tuple[set[int], set, set]:
         """The region's equations, and the values in it that hold tokens in per-shard order
         (flattened, or built from per-shard constants): those may not leave it. `leaves`:
         token-sized values buildable per shard with no equation here (constants, and those
-        an outer jaxpr builds, as a scan's hoisted iotas), and whether each holds positions."""
+        an outer jaxpr builds, as a scan's hoisted iotas), and whether each holds positions.
+        `labels_in`: the arriving scrambled values that hold local positions only (a
+        scatter's `(batch, seq)` indices the forward saved for the backward). Returns the
+        region, its scrambled values and, of those, the label-only ones."""
         leaves = leaves or {}
+        labels_in = set(labels_in) & set(scrambled_in)
         merges = {i for i, e in enumerate(eqns) if _merges_seq(e, self.specs, self.axes)}
         routing = {i for i, e in enumerate(eqns) if self._routing_seed(e)}
         arriving = set(scrambled_in) | set(stacked_in)
         seeds = merges | routing
         seeds |= {c for v in arriving for c in consumers.get(v, ()) if sub_of(eqns[c]) is None}
         if not seeds:
-            return set(), set()
+            return set(), set(), set()
         exits = {i for i, e in enumerate(eqns) if _splits_tokens(e, self.specs, self.axes)}
         region: set[int] = set(seeds)
         scrambled: set = set(scrambled_in)
@@ -75,7 +79,7 @@ class Grower:
         # may not leave it, so what reads them joins in turn (scatter's JVP compares such
         # ids outside the scatter). Uniform ones (zeros, full) are only rebuilt smaller.
         constant: set[int] = set()
-        positional: set = set()   # the scrambled values that are labels in block form
+        positional: set = set(labels_in)   # the scrambled values that are labels in block form
         while True:
             self._grow(eqns, producer, consumers, region, scrambled, positional, stacked_in,
                        merges=merges, exits=exits, coupling=coupling)
@@ -108,7 +112,7 @@ class Grower:
                     f"a per-shard value ({v.aval.str_short()}) that a routed layer saved for later "
                     f"is read outside a routed region{_refusals.user_line(eqns[outside[0]])}; "
                     "wrap the layer in jax.checkpoint so its backward recomputes it")
-        return region, scrambled
+        return region, scrambled, positional
 
     def _grow(self, eqns, producer, consumers, region, scrambled, positional, stacked_in, *,
               merges, exits, coupling) -> None:

@@ -79,8 +79,9 @@ def refuse_scrambled_exit(eqn, var) -> None:
     raise RewriteError(
         f"a per-shard value ({var.aval.str_short()}{user_line(eqn)}: tokens in per-shard order, "
         "or positions within a shard) leaves the routed region; outside it, it would mean "
-        "something else. Reshape tokens back to (batch, seq, ...) inside the layer, or wrap the "
-        "layer in jax.checkpoint so that its backward recomputes what it saved")
+        "something else. Reshape tokens back to (batch, seq, ...) inside the layer; where a "
+        "layer saves it for its backward, wrap the layer in jax.checkpoint so that the backward "
+        "recomputes it")
 
 
 def require_linear(var, eqns, l_eqns, producer, mine, scaled) -> None:

@@ -9,7 +9,9 @@ rewritten once, in its body, and keeps its layer count; the rematerialized backw
 body of its own.
 
 Values cross body boundaries in three ways besides their global form: tokens in per-shard
-order (a scan without remat saves the flattened tokens of each layer for its backward),
+order (a scan without remat saves the flattened tokens of each layer for its backward;
+labels among them, as a scatter's `(batch, seq)` indices, stay labels in the body they
+reach, where a gather or scatter reads them as addresses into the shard's block),
 per-shard values stacked along a leading shard axis (group sizes saved the same way),
 and token-sized constants (iotas JAX hoisted out of a loop), which a shard rebuilds at
 its own size from the per-shard trace instead of receiving the global one. Each may only
@@ -46,6 +48,7 @@ class Level:
     built: dict                   # Var -> builder: token-sized constants rebuilt per shard
     stacked_out: set = dataclasses.field(default_factory=set)    # outvar positions
     scrambled_out: set = dataclasses.field(default_factory=set)  # outvar positions
+    labels_out: set = dataclasses.field(default_factory=set)     # of those, the label-only ones
 
     @property
     def changed(self) -> bool:
@@ -95,16 +98,19 @@ class _Planner:
         self.local_of = local_of
 
     def level(self, jaxpr, consts, local, local_consts, *, scrambled_in=frozenset(),
-              stacked_in=frozenset(), built_in=None, positional_in=frozenset(),
-              crossable=frozenset()) -> Level:
+              labels_in=frozenset(), stacked_in=frozenset(), built_in=None,
+              positional_in=frozenset(), crossable=frozenset()) -> Level:
+        """`labels_in`: the scrambled inputs that are labels only (local positions, as a
+        scatter's `(batch, seq)` indices): addresses where a gather or scatter reads them."""
         eqns = jaxpr.eqns
         producer = {v: i for i, e in enumerate(eqns) for v in e.outvars}
         consumers = consumers_of(eqns)
         g = self.grower
         builders = Builders(jaxpr, local, local_consts, producer, g.scaled, built_in or {},
                             self.local_of, positional_in)
-        region, scrambled = self.grower.region(eqns, producer, consumers, scrambled_in, stacked_in,
-                                               leaves=builders.leaves())
+        region, scrambled, labels = self.grower.region(eqns, producer, consumers, scrambled_in,
+                                                       stacked_in, leaves=builders.leaves(),
+                                                       labels_in=labels_in)
         if region and not g.per_shard_capacity:
             for i in sorted(region):   # the capacity itself first, then what couples tokens
                 for v in eqns[i].outvars:
@@ -115,16 +121,19 @@ class _Planner:
         level = Level(jaxpr, consts, local, local_consts, groups, {}, set(stacked_in), {})
         outvars = {v: k for k, v in enumerate(jaxpr.outvars) if not _jax.is_literal(v)}
         boundaries(level, eqns, local.eqns, producer, consumers, outvars, crossable,
-                   sharded=set(g.specs), scrambled=scrambled, per_shard=g.doubly)
+                   sharded=set(g.specs), scrambled=scrambled, labels=labels, per_shard=g.doubly)
         for grp in groups:
             for v in grp.inputs:
                 if v in g.scaled and v not in scrambled_in and builders.can_build(v):
                     level.built[v] = builders.builder(v)
-        self._enter_bodies(level, eqns, region, consumers, builders, scrambled_in, stacked_in)
+        self._enter_bodies(level, eqns, region, consumers, builders, scrambled_in, labels_in,
+                           stacked_in)
         return level
 
-    def _enter_bodies(self, level, eqns, region, consumers, builders, scrambled_in, stacked_in):
+    def _enter_bodies(self, level, eqns, region, consumers, builders, scrambled_in, labels_in,
+                      stacked_in):
         scrambled = set(scrambled_in)   # vars at this level holding tokens in per-shard order
+        labels = set(labels_in)         # ... of which local positions only
         stacked = {v: False for v in stacked_in}   # var -> whether it came stacked from scan ys
         top_outvars = set(variables(level.jaxpr.outvars))
         for i, eqn in enumerate(eqns):
@@ -133,7 +142,8 @@ class _Planner:
                 continue
             lsub = sub_of(level.local.eqns[i])
             first_carry, end_carry = carries(eqn)
-            sub_scrambled, sub_stacked, sub_built, sub_positional = set(), set(), {}, set()
+            sub_scrambled, sub_labels, sub_stacked, sub_positional = set(), set(), set(), set()
+            sub_built: dict = {}
             for k, (a, inner) in enumerate(zip(eqn.invars, sub.jaxpr.invars)):
                 if _jax.is_literal(a):
                     continue
@@ -142,6 +152,8 @@ class _Planner:
                     self._refuse_carry(eqn, a)
                 if a in scrambled:
                     sub_scrambled.add(inner)
+                    if a in labels:
+                        sub_labels.add(inner)
                 elif a in stacked:
                     if stacked[a] != sliced:
                         raise RewriteError(f"a per-shard value ({a.aval.str_short()}) saved by a "
@@ -158,7 +170,8 @@ class _Planner:
                          if k >= end_carry - first_carry and consumers.get(v) and v not in top_outvars
                          and all(sub_of(eqns[c]) is not None for c in consumers[v])}
             inner = self.level(sub.jaxpr, sub.consts, lsub.jaxpr, lsub.consts,
-                               scrambled_in=frozenset(sub_scrambled), stacked_in=frozenset(sub_stacked),
+                               scrambled_in=frozenset(sub_scrambled),
+                               labels_in=frozenset(sub_labels), stacked_in=frozenset(sub_stacked),
                                built_in=sub_built, positional_in=frozenset(sub_positional),
                                crossable=frozenset(crossable))
             if not inner.changed:
@@ -170,6 +183,8 @@ class _Planner:
             level.subs[i] = inner
             for k in inner.scrambled_out:
                 scrambled.add(eqn.outvars[k])
+            for k in inner.labels_out:
+                labels.add(eqn.outvars[k])
             for k in inner.stacked_out:
                 stacked[eqn.outvars[k]] = sub.stacks
 

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from shardlint.examples.steps import _loss_step, routed_moe
+from shardlint.examples.steps import _experts, _loss_step, _route, routed_moe
 
 from analyzer.cause_steps import (BATCH, EMB, EXPERTS, HEADS, LAYERS, MLP, SEQ, TOP_K, _batch, _moe_params, _scatter_moe,
                                   _sds)
@@ -50,6 +50,21 @@ def make_scanned_scatter_step(mesh, remat: bool = False):
         return out_BSD
 
     return _loss_step(model), (_moe_params(mesh, layers=(LAYERS,)), _batch(mesh))
+
+
+def make_routing_returned_step(mesh):
+    """The routed MoE, whose step also returns each token's experts in flattened
+    (batch * seq) order: per shard that order is another one, so the value may not leave
+    the routed region as it is."""
+
+    def step(params, x_BSD):
+        b, s, d = x_BSD.shape
+        tokens_TD = x_BSD.reshape(b * s, d)
+        weights_TK, experts_TK = _route(tokens_TD, params["w_gate"], TOP_K)
+        out_TD = _experts(tokens_TD, weights_TK, experts_TK, params["w_in"], params["w_out"])
+        return out_TD.reshape(b, s, d), experts_TK   # <- flattened routing returned
+
+    return step, (_moe_params(mesh), _batch(mesh))
 
 
 @functools.lru_cache
