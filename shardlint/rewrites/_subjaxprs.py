@@ -4,12 +4,13 @@ such an equation again with its inner jaxpr rewritten.
 A nested `jax.jit` (and so a pre-jitted step, `nnx.jit`) is a `jit` equation, `lax.scan`
 over stacked layers a `scan` equation whose body runs once per layer, `jax.checkpoint` a
 `remat2` equation (in the forward and, `differentiated=True`, in the rematerialized
-backward). Their inner jaxprs take the equation's operands one for one (a scan body sees
-one slice of each stacked operand) and give its results one for one (a scan stacks the
-per-layer results), so a value's position says where it goes. Custom-derivative calls
-(`custom_jvp_call`, `custom_vjp_call`) are entered too; rebinding one with a changed body
-would disagree with its derivative rule, so it is inlined instead (the rewritten step is
-not differentiated again).
+backward); `jax.checkpoint` around a whole scan stages its forward as a plain call of the
+known part (`closed_call` on JAX 0.10, `eval_jaxpr` on 0.12). Their inner jaxprs take the
+equation's operands one for one (a scan body sees one slice of each stacked operand) and
+give its results one for one (a scan stacks the per-layer results), so a value's position
+says where it goes. Custom-derivative calls (`custom_jvp_call`, `custom_vjp_call`) are
+entered too; rebinding one with a changed body would disagree with its derivative rule, so
+it is inlined instead (the rewritten step is not differentiated again).
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ import dataclasses
 from .. import _jax
 from ._replay import replay
 
-_CALLS = {"jit": "jaxpr", "pjit": "jaxpr", "scan": "jaxpr", "remat2": "jaxpr", "checkpoint": "jaxpr"}
+_CALLS = {"jit": "jaxpr", "pjit": "jaxpr", "scan": "jaxpr", "remat2": "jaxpr", "checkpoint": "jaxpr",
+          "eval_jaxpr": "call_jaxpr", "closed_call": "call_jaxpr"}
 _INLINED = {"custom_jvp_call": "call_jaxpr", "custom_vjp_call": "call_jaxpr",
             "custom_vjp_call_jaxpr": "fun_jaxpr"}
 

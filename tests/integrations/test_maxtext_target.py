@@ -89,12 +89,14 @@ QWEN3_NEXT = dict(model_name="qwen3-next-80b-a3b", override_model_config=True, b
                   ici_data_parallelism=1, ici_context_parallelism=2, ici_tensor_parallelism=4)
 
 
-@pytest.fixture(scope="module")
-def qwen3_next():
-    """At one shard's sizes JAX hands Qwen3-Next's layer scan 98 operands where it hands it
-    93 globally (a constant-building shard_map returns 21 values instead of 16): the
-    rewrite pairs the two traces by use (before, it failed: 'Cannot concatenate arrays')."""
-    fn, args = maxtext.make_step(**QWEN3_NEXT)
+@pytest.fixture(scope="module", params=[4, 2], ids=["4layers", "2layers"])
+def qwen3_next(request):
+    """At one shard's sizes JAX hands Qwen3-Next's 4-layer scan 98 operands where it hands
+    it 93 globally (a constant-building shard_map returns 21 values instead of 16): the
+    rewrite pairs the two traces by use (before, it failed: 'Cannot concatenate arrays').
+    With 2 layers the whole layer scan is checkpointed, and JAX 0.12 stages its forward as
+    one `eval_jaxpr` call, which the rewrite enters (before, it rewrote the backward only)."""
+    fn, args = maxtext.make_step(**dict(QWEN3_NEXT, base_num_decoder_layers=request.param))
     before = shardlint.analyze(fn, *args)
     fixed = shardlint.rewrite(fn, mesh_of(args), args=args, analysis=before)
     return fn, args, before, fixed

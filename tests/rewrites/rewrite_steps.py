@@ -52,6 +52,23 @@ def make_scanned_scatter_step(mesh, remat: bool = False):
     return _loss_step(model), (_moe_params(mesh, layers=(LAYERS,)), _batch(mesh))
 
 
+def make_remat_around_scan_step(mesh):
+    """`jax.checkpoint` around the whole `lax.scan` over LAYERS layers (a checkpointed
+    decoder stack, as MaxText's 2-layer Qwen3-Next builds it): JAX stages the forward as
+    one call of the scan's known part (`closed_call` on 0.10.2, `eval_jaxpr` on 0.12)
+    and the backward as `remat2`."""
+
+    def layer(x_BSD, params):
+        return x_BSD + routed_moe(params, x_BSD, TOP_K), None
+
+    @jax.checkpoint
+    def model(params, x_BSD):
+        out_BSD, _ = jax.lax.scan(layer, x_BSD, params)
+        return out_BSD
+
+    return _loss_step(model), (_moe_params(mesh, layers=(LAYERS,)), _batch(mesh))
+
+
 def make_routing_returned_step(mesh):
     """The routed MoE, whose step also returns each token's experts in flattened
     (batch * seq) order: per shard that order is another one, so the value may not leave

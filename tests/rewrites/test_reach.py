@@ -26,6 +26,8 @@ CASES = {
     "scan+remat": (cause_steps.make_scanned_layers_step, {}, {}),
     "scan": (cause_steps.make_scanned_layers_step, {"remat": False}, {}),
     "python loop+remat": (rewrite_steps.make_remat_loop_step, {}, {}),
+    # The forward is a call of the scan's known part (closed_call / eval_jaxpr).
+    "remat around the scan": (rewrite_steps.make_remat_around_scan_step, {}, {}),
     "pre-jitted, donated": (cause_steps.make_prejitted_step, {}, {}),
     "nnx.jit + nnx.Optimizer": (cause_steps.make_nnx_step, {}, {}),
     "fsdp weights": (rewrite_steps.make_fsdp_moe_step, {}, {}),
