@@ -185,7 +185,7 @@ def make_prejitted_step(mesh):
     return step, (params, x)
 
 
-def make_nnx_step(mesh, concrete: bool = False):
+def make_nnx_step(mesh, concrete: bool = False, scanned: bool = False):
     """A Flax NNX routed MoE (flattens (batch, seq)) trained with `nnx.Optimizer` (adam).
 
     `nnx.jit`-ed `train_step(model, optimizer, x)`; model and optimizer come from
@@ -194,6 +194,10 @@ def make_nnx_step(mesh, concrete: bool = False):
     `make_prejitted_step`. Caution: `jax.jit(train_step).trace(*args)` also compiles, but
     the in-place optimizer update is not an output there, so XLA drops it and with it the
     gradients (no w_gate-gradient AR; inputs are only params and x).
+
+    `scanned`: a decoder of LAYERS such layers (each adding its input back), created
+    stacked with `nnx.vmap` and run with `nnx.scan` over `nnx.remat` layers, as Flax's
+    guides write a scanned stack.
     """
     import optax
     from flax import nnx
@@ -209,6 +213,23 @@ def make_nnx_step(mesh, concrete: bool = False):
             weights = {"w_gate": self.w_gate[...], "w_in": self.w_in[...], "w_out": self.w_out[...]}
             return routed_moe(weights, x_BSD, TOP_K)  # <- nnx moe
 
+    class Decoder(nnx.Module):
+        def __init__(self, rngs: nnx.Rngs):
+            @nnx.split_rngs(splits=LAYERS)
+            @nnx.vmap(in_axes=(0,), out_axes=0)
+            def create_layers(rngs):
+                return MoE(rngs)
+
+            self.layers = create_layers(rngs)
+
+        def __call__(self, x_BSD):
+            @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+            @nnx.remat
+            def layer(x_BSD, moe):
+                return x_BSD + moe(x_BSD)
+
+            return layer(x_BSD, self.layers)
+
     @nnx.jit
     def train_step(model, optimizer, x_BSD):
         def loss_fn(model):
@@ -219,7 +240,7 @@ def make_nnx_step(mesh, concrete: bool = False):
         return loss
 
     def create():
-        model = MoE(nnx.Rngs(0))
+        model = (Decoder if scanned else MoE)(nnx.Rngs(0))
         return model, nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
 
     replicated = NamedSharding(mesh, P())

@@ -30,6 +30,7 @@ CASES = {
     "remat around the scan": (rewrite_steps.make_remat_around_scan_step, {}, {}),
     "pre-jitted, donated": (cause_steps.make_prejitted_step, {}, {}),
     "nnx.jit + nnx.Optimizer": (cause_steps.make_nnx_step, {}, {}),
+    "nnx.scan + nnx.remat, nnx.Optimizer": (cause_steps.make_nnx_step, {"scanned": True}, {}),
     "fsdp weights": (rewrite_steps.make_fsdp_moe_step, {}, {}),
     # MaxText's dense path in miniature: top_k and a scatter into [batch, seq, experts].
     "scatter dispatch, no flatten": (cause_steps.make_scatter_dispatch_step, {}, {}),
@@ -81,12 +82,13 @@ def test_loss_and_every_gradient_are_unchanged(name):
     assert verify_same(fn, fixed, args, rtol=1e-5, atol=1e-6)
 
 
-def test_nnx_step_updates_model_and_optimizer_as_the_original():
+@pytest.mark.parametrize("scanned", [False, True], ids=["one layer", "nnx.scan"])
+def test_nnx_step_updates_model_and_optimizer_as_the_original(scanned):
     pytest.importorskip("flax")
     from flax import nnx
 
     mesh = _mesh(4)
-    step, (model, optimizer, x_spec) = cause_steps.make_nnx_step(mesh, concrete=True)
+    step, (model, optimizer, x_spec) = cause_steps.make_nnx_step(mesh, concrete=True, scanned=scanned)
     fixed = shardlint.rewrite(step, mesh, args=(model, optimizer, x_spec))
     assert fixed.changed is True
     x = jax.device_put(np.random.default_rng(0).normal(size=x_spec.shape).astype(np.float32),
