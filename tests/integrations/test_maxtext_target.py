@@ -52,9 +52,16 @@ def _moe_findings(analysis):
     return [f for f in analysis.findings if f.source and f.source.file.endswith("maxtext/layers/moe.py")]
 
 
-@pytest.fixture(scope="module", params=[False, True], ids=["layers", "scan_layers"])
+# MaxText's remat policies besides its default ("full"): "minimal" saves the dots for the
+# backward, "none" saves everything a scanned layer computes.
+DENSE = {"layers": dict(scan_layers=False), "scan_layers": dict(scan_layers=True),
+         "scan_layers, remat minimal": dict(scan_layers=True, remat_policy="minimal"),
+         "scan_layers, remat none": dict(scan_layers=True, remat_policy="none")}
+
+
+@pytest.fixture(scope="module", params=list(DENSE.values()), ids=list(DENSE))
 def dense(request):
-    fn, args = maxtext.make_step(**CPU, sparse_matmul=False, scan_layers=request.param)
+    fn, args = maxtext.make_step(**CPU, sparse_matmul=False, **request.param)
     return fn, args, shardlint.analyze(fn, *args)
 
 
