@@ -167,6 +167,10 @@ class ShardedRoutedMoE:
         reduce_axes = []
         if self._size(ep_axis) == 1:
             y_TD = moe_tokens(x_TD, params, self.cfg)
+            if ep_axis is not None and ep_axis not in axes.all:
+                # One device along it moves no data, but the weights sharded over it make
+                # the result vary over it as shard_map types values: reduce it as below.
+                reduce_axes.append(ep_axis)
         else:
             weights_TK, experts_TK = route(x_TD, params["gate"], self.cfg)
             if ep_axis in axes.all:

@@ -38,6 +38,9 @@ CASES = {
     # expert and tensor parallelism over the data x context axes themselves
     "ep_data_2x4": ((2, 4), DP_CP, P("data", "context"), {"expert_axis": "data"}),
     "ep_data_4x2": ((4, 2), DP_CP, P("data", "context"), {"expert_axis": "data"}),
+    # an expert axis of one device that shards no tokens (MaxText's mesh at context 1)
+    "ep_one_device": ((2, 4, 1), DP_CP + ("expert",), P("data", "context"),
+                      {"expert_axis": "expert"}),
     "tp_context_4x2": ((4, 2), DP_CP, P("data", "context"), {"tensor_axis": "context"}),
     "tp_context_1x8": ((1, 8), DP_CP, P("data", "context"), {"tensor_axis": "context"}),
     # the weights whole on every token shard (the layout before weight_axes existed)
