@@ -161,11 +161,13 @@ def _report(args, seq: int, rows: dict[int, dict[str, Point]]) -> bool:
             print(f"  {cp:>2}  {name:<18}{p.arguments / scale:10.3f}{p.temp / scale:9.3f}"
                   f"{p.total / scale:10.3f}{p.outputs / scale:9.3f}{p.peak / scale:9.3f}{mark} "
                   f"{_gathers(p):<12}{ms}")
-    print("  peak: " + ("XLA's own peak per device" if all(from_xla) else
-                        "arguments + outputs + temp - aliased (XLA:CPU computes no peak)"
-                        if not any(from_xla) else
-                        "XLA's own peak per device; *: arguments + outputs + temp - aliased "
-                        "(the compiler reported no peak for that step)"))
+    computed = "arguments + outputs + temp - aliased"
+    if all(from_xla):
+        print("  peak: XLA's own peak per device")
+    elif any(from_xla):
+        print(f"  peak: XLA's own peak per device; *: {computed} (no peak reported for that step)")
+    else:
+        print(f"  peak: {computed} (XLA:CPU computes no peak)")
     if timed:
         print("  step time ShardedRoutedMoE / MaxText (CPU evidence only: simulated devices "
               "share this host's cores, and ragged_dot is a dense masked fallback on CPU): "

@@ -92,9 +92,7 @@ def boundaries(level, eqns, l_eqns, producer, consumers, outvars: dict, crossabl
                     if stays:
                         _refusals.refuse_scrambled_exit(eqns[i], v)
                     if leaves:
-                        level.scrambled_out.add(at)
-                        if v in labels:
-                            level.labels_out.add(at)
+                        level.scrambled_out[at] = v in labels
                     continue
                 elif stays:
                     _refusals.require_linear(v, eqns, l_eqns, producer, mine, tokens)

@@ -49,17 +49,17 @@ class Grower:
         """Every value that carries tokens (computed once: it is asked per operand)."""
         return set(self.specs) | self.doubly
 
-    def region(self, eqns, producer, consumers, scrambled_in, stacked_in,
-               leaves: dict | None = None, labels_in=frozenset()) -> tuple[set[int], set, set]:
+    def region(self, eqns, producer, consumers, scrambled_in: dict, stacked_in,
+               leaves: dict | None = None) -> tuple[set[int], set, set]:
         """The region's equations, and the values in it that hold tokens in per-shard order
         (flattened, or built from per-shard constants): those may not leave it. `leaves`:
         token-sized values buildable per shard with no equation here (constants, and those
         an outer jaxpr builds, as a scan's hoisted iotas), and whether each holds positions.
-        `labels_in`: the arriving scrambled values that hold local positions only (a
-        scatter's `(batch, seq)` indices the forward saved for the backward). Returns the
-        region, its scrambled values and, of those, the label-only ones."""
+        `scrambled_in`: the arriving values in per-shard order, each with whether it holds
+        local positions only (a scatter's `(batch, seq)` indices the forward saved for the
+        backward). Returns the region, its scrambled values and, of those, the label-only
+        ones."""
         leaves = leaves or {}
-        labels_in = set(labels_in) & set(scrambled_in)
         merges = {i for i, e in enumerate(eqns) if _merges_seq(e, self.specs, self.axes)}
         routing = {i for i, e in enumerate(eqns) if self._routing_seed(e)}
         arriving = set(scrambled_in) | set(stacked_in)
@@ -79,7 +79,8 @@ class Grower:
         # may not leave it, so what reads them joins in turn (scatter's JVP compares such
         # ids outside the scatter). Uniform ones (zeros, full) are only rebuilt smaller.
         constant: set[int] = set()
-        positional: set = set(labels_in)   # the scrambled values that are labels in block form
+        # the scrambled values that are labels in block form
+        positional: set = {v for v, labels_only in scrambled_in.items() if labels_only}
         while True:
             self._grow(eqns, producer, consumers, region, scrambled, positional, stacked_in,
                        merges=merges, exits=exits, coupling=coupling)

@@ -47,8 +47,8 @@ class Level:
     stacked_in: set               # invars that arrive per shard, stacked on a leading axis
     built: dict                   # Var -> builder: token-sized constants rebuilt per shard
     stacked_out: set = dataclasses.field(default_factory=set)    # outvar positions
-    scrambled_out: set = dataclasses.field(default_factory=set)  # outvar positions
-    labels_out: set = dataclasses.field(default_factory=set)     # of those, the label-only ones
+    # outvar position -> whether the value holds only labels (positions within a shard)
+    scrambled_out: dict = dataclasses.field(default_factory=dict)
 
     @property
     def changed(self) -> bool:
@@ -97,11 +97,13 @@ class _Planner:
         self.grower = Grower(axes, specs, doubly, seed_lines, per_shard_capacity)
         self.local_of = local_of
 
-    def level(self, jaxpr, consts, local, local_consts, *, scrambled_in=frozenset(),
-              labels_in=frozenset(), stacked_in=frozenset(), built_in=None,
-              positional_in=frozenset(), crossable=frozenset()) -> Level:
-        """`labels_in`: the scrambled inputs that are labels only (local positions, as a
-        scatter's `(batch, seq)` indices): addresses where a gather or scatter reads them."""
+    def level(self, jaxpr, consts, local, local_consts, *, scrambled_in=None,
+              stacked_in=frozenset(), built_in=None, positional_in=frozenset(),
+              crossable=frozenset()) -> Level:
+        """`scrambled_in`: the inputs that hold tokens in per-shard order, each with whether
+        it holds only labels (positions within a shard, as a scatter's `(batch, seq)`
+        indices: addresses where a gather or scatter reads them)."""
+        scrambled_in = scrambled_in or {}
         eqns = jaxpr.eqns
         producer = {v: i for i, e in enumerate(eqns) for v in e.outvars}
         consumers = consumers_of(eqns)
@@ -109,8 +111,7 @@ class _Planner:
         builders = Builders(jaxpr, local, local_consts, producer, g.scaled, built_in or {},
                             self.local_of, positional_in)
         region, scrambled, labels = self.grower.region(eqns, producer, consumers, scrambled_in,
-                                                       stacked_in, leaves=builders.leaves(),
-                                                       labels_in=labels_in)
+                                                       stacked_in, leaves=builders.leaves())
         if region and not g.per_shard_capacity:
             for i in sorted(region):   # the capacity itself first, then what couples tokens
                 for v in eqns[i].outvars:
@@ -126,14 +127,12 @@ class _Planner:
             for v in grp.inputs:
                 if v in g.scaled and v not in scrambled_in and builders.can_build(v):
                     level.built[v] = builders.builder(v)
-        self._enter_bodies(level, eqns, region, consumers, builders, scrambled_in, labels_in,
-                           stacked_in)
+        self._enter_bodies(level, eqns, region, consumers, builders, scrambled_in, stacked_in)
         return level
 
-    def _enter_bodies(self, level, eqns, region, consumers, builders, scrambled_in, labels_in,
-                      stacked_in):
-        scrambled = set(scrambled_in)   # vars at this level holding tokens in per-shard order
-        labels = set(labels_in)         # ... of which local positions only
+    def _enter_bodies(self, level, eqns, region, consumers, builders, scrambled_in, stacked_in):
+        # vars at this level holding tokens in per-shard order -> whether labels only
+        scrambled = dict(scrambled_in)
         stacked = {v: False for v in stacked_in}   # var -> whether it came stacked from scan ys
         top_outvars = set(variables(level.jaxpr.outvars))
         for i, eqn in enumerate(eqns):
@@ -142,8 +141,7 @@ class _Planner:
                 continue
             lsub = sub_of(level.local.eqns[i])
             first_carry, end_carry = carries(eqn)
-            sub_scrambled, sub_labels, sub_stacked, sub_positional = set(), set(), set(), set()
-            sub_built: dict = {}
+            sub_scrambled, sub_stacked, sub_built, sub_positional = {}, set(), {}, set()
             for k, (a, inner) in enumerate(zip(eqn.invars, sub.jaxpr.invars)):
                 if _jax.is_literal(a):
                     continue
@@ -151,9 +149,7 @@ class _Planner:
                 if first_carry <= k < end_carry and (a in scrambled or a in stacked):
                     self._refuse_carry(eqn, a)
                 if a in scrambled:
-                    sub_scrambled.add(inner)
-                    if a in labels:
-                        sub_labels.add(inner)
+                    sub_scrambled[inner] = scrambled[a]
                 elif a in stacked:
                     if stacked[a] != sliced:
                         raise RewriteError(f"a per-shard value ({a.aval.str_short()}) saved by a "
@@ -170,8 +166,7 @@ class _Planner:
                          if k >= end_carry - first_carry and consumers.get(v) and v not in top_outvars
                          and all(sub_of(eqns[c]) is not None for c in consumers[v])}
             inner = self.level(sub.jaxpr, sub.consts, lsub.jaxpr, lsub.consts,
-                               scrambled_in=frozenset(sub_scrambled),
-                               labels_in=frozenset(sub_labels), stacked_in=frozenset(sub_stacked),
+                               scrambled_in=sub_scrambled, stacked_in=frozenset(sub_stacked),
                                built_in=sub_built, positional_in=frozenset(sub_positional),
                                crossable=frozenset(crossable))
             if not inner.changed:
@@ -181,10 +176,8 @@ class _Planner:
                                        "no routed region with it; wrap the layer in jax.checkpoint")
                 continue
             level.subs[i] = inner
-            for k in inner.scrambled_out:
-                scrambled.add(eqn.outvars[k])
-            for k in inner.labels_out:
-                labels.add(eqn.outvars[k])
+            for k, labels_only in inner.scrambled_out.items():
+                scrambled[eqn.outvars[k]] = labels_only
             for k in inner.stacked_out:
                 stacked[eqn.outvars[k]] = sub.stacks
 
