@@ -55,6 +55,11 @@ def _parse() -> argparse.Namespace:
                    help="ShardedRoutedMoE's expert_axis (e.g. context: its experts sharded over "
                         "that token axis and tokens moved by all-to-all, instead of the "
                         "default layout's weights gathered in the layer)")
+    p.add_argument("--weight-gather", default=None, choices=("whole", "ring"),
+                   help="ShardedRoutedMoE's weight_gather (default: the layer's own choice, "
+                        "the ring where the weight axes hold more than 2 devices): its expert "
+                        "matrices gathered whole in the layer, or their slices passed round "
+                        "the weight axes")
     args = p.parse_args()
     base = dict(CPU_SIZES)
     if args.topology:
@@ -132,7 +137,8 @@ def _layers(args, seq: int, cp: int, devices) -> dict[str, tuple[Any, tuple[Any,
     cfg = moe.MoeConfig(num_experts=args.experts, top_k=args.top_k, emb_dim=args.emb,
                         mlp_dim=args.mlp, dtype=jnp.dtype(args.dtype))
     layer = moe.ShardedRoutedMoE(cfg, mesh, **_common.token_axes(x_spec),
-                                 expert_axis=args.expert_axis)
+                                 expert_axis=args.expert_axis,
+                                 weight_gather=args.weight_gather)
     variant = _common.Variant(SHARDED, layer, jax.eval_shape(layer.init, jax.random.key(0)),
                               layer.param_specs())
     sharded_args = _common.abstract_args(variant, mesh, x_spec, x.shape, x.dtype)
@@ -214,7 +220,9 @@ def main() -> int:
 
         devices = topology_devices(args.topology)
         where = f"the TPU compiler for {args.topology} ({len(devices)} chips, AOT)"
-    layout = f" (expert_axis={args.expert_axis})" if args.expert_axis else ""
+    chosen = {"expert_axis": args.expert_axis, "weight_gather": args.weight_gather}
+    layout = ", ".join(f"{k}={v}" for k, v in chosen.items() if v)
+    layout = f" ({layout})" if layout else ""
     print(f"{MAXTEXT} (maxtext {importlib.metadata.version('maxtext')}) vs {SHARDED}{layout} on "
           f"{where}; jax {jax.__version__}; value_and_grad w.r.t. params and x")
     ok = True

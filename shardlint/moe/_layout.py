@@ -5,9 +5,10 @@ shard the tokens (fsdp, data, context), on top of the expert dimension over `exp
 and the hidden dimension over `tensor_axis`. Inside `shard_map` each layer all-gathers
 its own weights over those axes on entry (`jax.lax.all_gather(..., tiled=True)`); JAX
 transposes that gather into a reduce-scatter, so the gradients leave the layer already
-sharded like the weights. No activation moves for it: the tokens stay where they are and
-the weights come to them (FSDP / ZeRO-3, as MaxText shards its experts' embed dimension
-over fsdp and context).
+sharded like the weights. (Or the expert matrices' slices go round those axes one at a
+time, see `_ring`; the router's kernel is gathered here either way.) No activation moves
+for it: the tokens stay where they are and the weights come to them (FSDP / ZeRO-3, as
+MaxText shards its experts' embed dimension over fsdp and context).
 
 Every weight axis must also shard the tokens of the call: a shard that holds tokens
 replicated over a weight axis would compute the same partial gradient as its neighbours

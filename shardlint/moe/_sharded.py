@@ -20,7 +20,9 @@ only where a parallelism needs it:
     (sequence parallelism), the block is all-gathered over it on entry and the output is
     psum-scattered back.
   weights sharded over the token axes (`weight_axes`, D sharded; see `_layout`): the
-    block all-gathers its weights on entry and reduce-scatters their gradients.
+    block all-gathers its weights on entry and reduce-scatters their gradients
+    (`weight_gather="whole"`), or passes the expert matrices' slices round the weight axes
+    one at a time, so that only a slice of each is ever in hand (`"ring"`, see `_ring`).
 
 Dense strategy: capacity is per *local* token group (the block a device routes, after
 the sequence-parallel gather if any), so this equals the reference only when the capacity
@@ -31,6 +33,7 @@ MaxText with one group per shard.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Sequence
 
 import jax
@@ -39,6 +42,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from . import _compat, _layout
+from ._ring import IN_PLACE, WeightRing
 from ._axes import (MoeShardingError, TokenAxes, as_axes, check_layout, infer_token_axes,
                     static_problems)
 from ._config import MoeConfig
@@ -47,6 +51,7 @@ from ._experts import (Params, batched_swiglu, combine_rows, dense_combine, dens
 from ._routing import route
 
 _PARAM_KEYS = tuple(_layout.EMBED_DIMS)
+WEIGHT_GATHERS = ("whole", "ring")
 
 
 def _axes_arg(value: str | Sequence[str] | None) -> tuple[str, ...] | None:
@@ -83,6 +88,16 @@ class ShardedRoutedMoE:
     the layout chosen for RoutedMoE).
     `param_specs()` gives the PartitionSpecs of that layout, `param_shardings()` the same
     as NamedShardings on the mesh (put `init`'s params there).
+
+    `weight_gather`: how a shard gets the expert matrices whole along D. `"whole"`:
+    all-gathered on entry, one layer's matrices at a time, their gradients
+    reduce-scattered. `"ring"`: their slices pass from device to device round the weight
+    axes while the grouped matmuls run on the slice in hand, and the gradients' slices
+    travel back to their owners the same way (`_ring`); a device holds the slice in hand
+    and the one arriving, 2/n of a matrix, instead of the whole matrix and its whole
+    gradient. None (default): the ring where the weight axes hold more than 2 devices
+    (with 2, the two slices are the whole matrix), else the whole gather. The router's
+    small kernel is gathered whole either way.
     """
 
     cfg: MoeConfig
@@ -92,6 +107,7 @@ class ShardedRoutedMoE:
     expert_axis: str | None = dataclasses.field(default=None, kw_only=True)
     tensor_axis: str | None = dataclasses.field(default=None, kw_only=True)
     weight_axes: str | Sequence[str] | None = dataclasses.field(default=None, kw_only=True)
+    weight_gather: str | None = dataclasses.field(default=None, kw_only=True)
     _fns: dict = dataclasses.field(default_factory=dict, init=False, repr=False,
                                    compare=False, hash=False)
 
@@ -105,9 +121,18 @@ class ShardedRoutedMoE:
             weight_axes = _layout.default_weight_axes(self.mesh, given, self.expert_axis,
                                                       self.tensor_axis)
         object.__setattr__(self, "weight_axes", weight_axes)
+        if self.weight_gather is None:
+            object.__setattr__(self, "weight_gather",
+                               "ring" if self._weight_degree() > 2 else "whole")
         problems = static_problems(self.cfg, self.mesh, self.expert_axis, self.tensor_axis)
         problems += _layout.weight_axes_problems(self.mesh, weight_axes, self.cfg.emb_dim,
                                                  self.expert_axis, self.tensor_axis)
+        if self.weight_gather not in WEIGHT_GATHERS:
+            problems.append(f"weight_gather={self.weight_gather!r} is not one of "
+                            f"{WEIGHT_GATHERS}")
+        elif self.weight_gather == "ring" and not weight_axes:
+            problems.append("weight_gather='ring' passes the weights' slices round the "
+                            "weight axes, and weight_axes=() shards them over none")
         if problems:
             raise MoeShardingError(f"ShardedRoutedMoE on mesh {dict(self.mesh.shape)}:\n  - "
                                    + "\n  - ".join(problems))
@@ -143,8 +168,13 @@ class ShardedRoutedMoE:
         jit cache; under an outer jit it is inlined)."""
         key = (axes.batch, axes.seq)
         if key not in self._fns:
-            body = lambda p, x: self._block(
-                _layout.gather(p, _layout.EMBED_DIMS, self.weight_axes), x, axes)
+            gathered = (_layout.EMBED_DIMS if self.weight_gather == "whole"
+                        else {"gate": _layout.EMBED_DIMS["gate"]})
+
+            def body(p, x):
+                p = {**p, **_layout.gather({k: p[k] for k in gathered}, gathered,
+                                           self.weight_axes)}
+                return self._block(p, x, axes)
             self._fns[key] = jax.jit(_compat.shard_map(
                 body, mesh=self.mesh, in_specs=(self.param_specs(), axes.x_spec),
                 out_specs=axes.x_spec))
@@ -154,6 +184,16 @@ class ShardedRoutedMoE:
 
     def _size(self, axis: str | None) -> int:
         return 1 if axis is None else self.mesh.shape[axis]
+
+    def _weight_degree(self) -> int:
+        return math.prod(self.mesh.shape.get(a, 1) for a in self.weight_axes)
+
+    @property
+    def _ring(self) -> WeightRing:
+        """Where the expert matrices' slices of D travel (in place once gathered whole)."""
+        if self.weight_gather == "whole" or not self.weight_axes:
+            return IN_PLACE
+        return WeightRing(self.weight_axes, self._weight_degree())
 
     def _block(self, params: Params, x_bsD: jax.Array, axes: TokenAxes) -> jax.Array:
         b, s, D = x_bsD.shape
@@ -166,7 +206,7 @@ class ShardedRoutedMoE:
                 x_TD = jax.lax.all_gather(x_TD, tp_axis, axis=0, tiled=True)
         reduce_axes = []
         if self._size(ep_axis) == 1:
-            y_TD = moe_tokens(x_TD, params, self.cfg)
+            y_TD = moe_tokens(x_TD, params, self.cfg, ring=self._ring)
             if ep_axis is not None and ep_axis not in axes.all:
                 # One device along it moves no data, but the weights sharded over it make
                 # the result vary over it as shard_map types values: reduce it as below.
@@ -200,7 +240,8 @@ class ShardedRoutedMoE:
                                                 cfg.num_experts, cfg.capacity(T))
             with jax.named_scope("moe/all_to_all"):
                 x_LND = a2a(x_ECD, 0, 1)  # [E/ep, ep*C, D]: my experts, every source
-            y_LND = batched_swiglu(x_LND, params["wi_0"], params["wi_1"], params["wo"])
+            y_LND = batched_swiglu(x_LND, params["wi_0"], params["wi_1"], params["wo"],
+                                   ring=self._ring)
             with jax.named_scope("moe/all_to_all"):
                 y_ECD = a2a(y_LND, 1, 0)
             return dense_combine(y_ECD, combine_TEC)
@@ -217,7 +258,8 @@ class ShardedRoutedMoE:
         with jax.named_scope("moe/all_to_all"):
             recv_PCD, rids_PC = a2a(send_PCD, 0, 0), a2a(ids_PC, 0, 0)
         y_ND = grouped_swiglu(recv_PCD.reshape(ep * cap, D), rids_PC.reshape(ep * cap),
-                              E_loc, params["wi_0"], params["wi_1"], params["wo"])
+                              E_loc, params["wi_0"], params["wi_1"], params["wo"],
+                              ring=self._ring)
         with jax.named_scope("moe/all_to_all"):
             back_PCD = a2a(y_ND.reshape(ep, cap, D), 0, 0)
         with jax.named_scope("moe/undispatch"):
@@ -235,11 +277,12 @@ class ShardedRoutedMoE:
             x_ECD, combine_TEC = dense_dispatch(x_TD, weights_TK, experts_TK,
                                                 cfg.num_experts, cfg.capacity(T))
             x_LCD = jax.lax.dynamic_slice_in_dim(x_ECD, first, E_loc, axis=0)
-            y_LCD = batched_swiglu(x_LCD, params["wi_0"], params["wi_1"], params["wo"])
+            y_LCD = batched_swiglu(x_LCD, params["wi_0"], params["wi_1"], params["wo"],
+                                   ring=self._ring)
             combine_TLC = jax.lax.dynamic_slice_in_dim(combine_TEC, first, E_loc, axis=1)
             return dense_combine(y_LCD, combine_TLC)
         local_M = experts_TK.reshape(T * K) - first
         local_M = jnp.where((local_M >= 0) & (local_M < E_loc), local_M, E_loc)
         y_MD = grouped_swiglu(x_TD, local_M, E_loc, params["wi_0"], params["wi_1"],
-                              params["wo"], source_M=jnp.arange(T * K) // K)
+                              params["wo"], source_M=jnp.arange(T * K) // K, ring=self._ring)
         return combine_rows(y_MD, weights_TK)

@@ -3,8 +3,10 @@ refused.
 
 A value_and_grad step of the weight-sharded layer (w.r.t. params and x) is analyzed on
 abstract arguments carrying `param_shardings()`: every all-gather must be a `weights`
-gather (one per weight, over the layer's weight axes), never an activation gather, and
-the analysis has no finding.
+gather over the layer's weight axes (one per weight gathered whole: all of them under
+`weight_gather="whole"`; under the ring, the default on these meshes, the router kernel
+and the Qwen shared expert's, while the expert matrices travel by collective-permute),
+never an activation gather, and the analysis has no finding.
 """
 
 from __future__ import annotations
@@ -28,7 +30,12 @@ CASES = {
     "ep-a2a-sparse": ((2, 2, 2), DP_CP + ("expert",), P(("data", "expert"), "context"),
                       {"expert_axis": "expert"}, {}, False),
     "qwen-cp2x4-sparse": ((2, 4), DP_CP, P("data", "context"), {}, QWEN, True),
+    "cp2x4-sparse-whole": ((2, 4), DP_CP, P("data", "context"), {"weight_gather": "whole"},
+                           {}, False),
+    "qwen-cp2x4-dense-whole": ((2, 4), DP_CP, P("data", "context"),
+                               {"weight_gather": "whole"}, {"strategy": "dense", **QWEN}, True),
 }
+EXPERT_MATRICES = ("wi_0", "wi_1", "wo")
 
 @pytest.fixture(scope="module")
 def lib(moe_testlib):
@@ -50,21 +57,38 @@ def _analysis(lib, case):
     x = jax.ShapeDtypeStruct((lib.B, lib.S, lib.D), jnp.float32,
                              sharding=NamedSharding(mesh, x_spec))
     step = jax.value_and_grad(lambda p, x: jnp.mean(layer(p, x) ** 2), argnums=(0, 1))
-    weight_axes = layer.routed.weight_axes if qwen else layer.weight_axes
-    return shardlint.analyze(step, params, x, params_argnums=(0,)), params, weight_axes
+    routed = layer.routed if qwen else layer
+    return shardlint.analyze(step, params, x, params_argnums=(0,)), params, routed
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_every_all_gather_is_a_weights_gather(lib, case):
-    analysis, params, weight_axes = _analysis(lib, case)
+    analysis, params, routed = _analysis(lib, case)
+    weight_axes = routed.weight_axes
     gathers = analysis.all_gathers()
     assert weight_axes, "the default layout shards the weights"
-    assert len(gathers) == len(jax.tree.leaves(params)), gathers  # one per weight
+    assert routed.weight_gather == ("whole" if case.endswith("-whole") else "ring")
+    moe_params = params["moe"] if "moe" in params else params
+    travelling = len(EXPERT_MATRICES) if routed.weight_gather == "ring" else 0
+    # one gather per weight gathered whole
+    assert len(gathers) == len(jax.tree.leaves(params)) - travelling, gathers
     assert all(c.cause == "weights" for c in gathers), [(c.id, c.cause) for c in gathers]
     assert {a for c in gathers for a in c.axes} == set(weight_axes)
     assert analysis.findings == ()
     assert analysis.by_cause("lost") == () and analysis.by_cause("requested") == ()
-    # the gradients leave reduce-scattered to the weights' sharding
+    # the gradients leave reduce-scattered to the weights' sharding (the router's at
+    # least); under the ring, the expert matrices and their gradients' slices go round
+    # the weight axes by collective-permute, and nothing else does
     assert [c for c in analysis.collectives if c.kind == "reduce-scatter"]
+    permutes = [c for c in analysis.collectives if c.kind == "collective-permute"]
+    if travelling:
+        assert permutes and all(c.axes == tuple(weight_axes) for c in permutes), permutes
+        # one slice of an expert matrix (or of its gradient) per permute
+        assert all(moe_params[k].dtype == jnp.float32 for k in EXPERT_MATRICES)
+        slices = {"f32[%s]" % ",".join(map(str, routed.param_shardings()[k].shard_shape(
+            moe_params[k].shape))) for k in EXPERT_MATRICES}
+        assert {c.shape for c in permutes} <= slices, ({c.shape for c in permutes}, slices)
+    else:
+        assert "expert_axis" in CASES[case][3] or not permutes, permutes
 
 def test_weight_axes_are_checked_at_construction(lib):
     mesh = lib.make_mesh((2, 2, 2), ("data", "context", "expert"))
@@ -78,6 +102,11 @@ def test_weight_axes_are_checked_at_construction(lib):
     with pytest.raises(moe.MoeShardingError,
                        match=r"emb_dim=6 is not divisible by 4.*weight_axes=\.\.\."):
         moe.ShardedRoutedMoE(lib.config(emb_dim=6), mesh, weight_axes=("data", "context"))
+    with pytest.raises(moe.MoeShardingError, match=r"weight_gather='all' is not one of "
+                                                   r"\('whole', 'ring'\)"):
+        moe.ShardedRoutedMoE(lib.config(), mesh, weight_gather="all")
+    with pytest.raises(moe.MoeShardingError, match=r"weight_axes=\(\) shards them over none"):
+        moe.ShardedRoutedMoE(lib.config(), mesh, weight_axes=(), weight_gather="ring")
 
 def test_defaults_follow_the_given_token_axes(lib):
     mesh = lib.make_mesh((2, 2, 2), ("data", "context", "tensor"))
@@ -88,6 +117,12 @@ def test_defaults_follow_the_given_token_axes(lib):
     assert moe.ShardedRoutedMoE(cfg, mesh, seq_axes="context").weight_axes == ("context",)
     assert moe.ShardedRoutedMoE(cfg, mesh, weight_axes=()).param_specs()["wi_0"] == P(
         None, None, None)
+    # the ring where the weight axes hold more than 2 devices: with 2, the slice in hand
+    # and the one arriving are the whole matrix
+    gathers = lambda **kw: moe.ShardedRoutedMoE(cfg, mesh, **kw).weight_gather
+    assert gathers() == "ring" and gathers(seq_axes="context") == "whole"
+    assert gathers(weight_axes=()) == "whole"
+    assert gathers(seq_axes="context", weight_gather="ring") == "ring"
 
 def test_a_weight_axis_that_does_not_shard_the_tokens_is_refused(lib):
     mesh = lib.make_mesh((2, 4), DP_CP)
@@ -100,3 +135,25 @@ def test_a_weight_axis_that_does_not_shard_the_tokens_is_refused(lib):
     text = str(err.value)
     assert "weight_axes ['data'] shard the weights but not the tokens of this call" in text
     assert "weight_axes=('context',)" in text  # the way out
+
+
+def test_the_ring_saves_at_least_the_gathered_matrices(lib):
+    """Weights large next to the tokens (emb 256, 64 tokens, 8 devices): gathering the
+    expert matrices whole puts all of them, and their whole gradients, in temp; the ring
+    holds 2/8 of each. Its temp is lower by more than the matrices themselves."""
+    mesh = lib.make_mesh((1, 8), DP_CP)
+    cfg = lib.config(emb_dim=256, mlp_dim=256)
+    x = jax.ShapeDtypeStruct((1, 64, 256), jnp.float32,
+                             sharding=NamedSharding(mesh, P(None, "context")))
+    temp = {}
+    for gather in ("whole", "ring"):
+        layer = moe.ShardedRoutedMoE(cfg, mesh, batch_axes=(), seq_axes="context",
+                                     weight_gather=gather)
+        params = jax.tree.map(
+            lambda w, s: jax.ShapeDtypeStruct(w.shape, w.dtype, sharding=s),
+            jax.eval_shape(layer.init, jax.random.key(0)), layer.param_shardings())
+        step = jax.jit(jax.value_and_grad(lambda p, x: jnp.mean(layer(p, x) ** 2),
+                                          argnums=(0, 1)))
+        temp[gather] = step.lower(params, x).compile().memory_analysis().temp_size_in_bytes
+    matrices = sum(params[k].size * 4 for k in EXPERT_MATRICES)
+    assert temp["ring"] + matrices <= temp["whole"], (temp, matrices)

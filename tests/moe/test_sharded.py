@@ -3,8 +3,10 @@ token axis sharded where the reference all-gathers it.
 
 Each case is (mesh, x sharding, layer keywords); one compiled vjp step per case serves
 both the numerics and the HLO assertions. The layer runs in its default, memory-lean
-layout (weights' embed dimension sharded over the token axes, gathered inside the layer)
-unless a case asks for `weight_axes=()` (weights whole on every token shard).
+layout (weights' embed dimension sharded over the token axes; the expert matrices' slices
+passed round those axes, the router kernel gathered) unless a case asks for
+`weight_gather="whole"` (every weight gathered whole inside the layer) or
+`weight_axes=()` (weights whole on every token shard).
 """
 
 from __future__ import annotations
@@ -47,6 +49,15 @@ CASES = {
     "cp2x4_whole": ((2, 4), DP_CP, P("data", "context"), {"weight_axes": ()}),
     "ep_a2a_whole": ((2, 2, 2), DP_CP + ("expert",), P(("data", "expert"), "context"),
                      {"expert_axis": "expert", "weight_axes": ()}),
+    # the expert matrices gathered whole in the layer instead of passed round the weight
+    # axes (the default ring, at more than 2 devices); and the ring at 2 devices
+    "cp2x4_gathered": ((2, 4), DP_CP, P("data", "context"), {"weight_gather": "whole"}),
+    "ep_a2a_gathered": ((2, 2, 2), DP_CP + ("expert",), P(("data", "expert"), "context"),
+                        {"expert_axis": "expert", "weight_gather": "whole"}),
+    "tp_seq_parallel_gathered": ((2, 2, 2), DP_CP + ("tensor",), P("data", ("context", "tensor")),
+                                 {"tensor_axis": "tensor", "weight_gather": "whole"}),
+    "cp4x2_ring_context": ((4, 2), DP_CP, P("data", "context"),
+                           {"weight_gather": "ring", "weight_axes": "context"}),
 }
 STRATEGIES = {"sparse": {}, "dense": {"strategy": "dense"},
               # capacity large enough to drop nothing, but computed, not defaulted
@@ -150,7 +161,8 @@ def _weight_shapes(layer, params, whole_embed=False) -> set[tuple[int, ...]]:
         _local(layer, k, w.shape) for k, w in params.items()}
 
 
-HLO_CASES = ["cp2x4", "cp1x8", "ep_a2a", "cp2x4_whole", "ep_a2a_whole"]
+HLO_CASES = ["cp2x4", "cp1x8", "ep_a2a", "cp2x4_gathered", "ep_a2a_gathered", "cp2x4_whole",
+             "ep_a2a_whole"]
 
 
 @pytest.mark.parametrize("case", HLO_CASES)
@@ -167,12 +179,18 @@ def test_sharded_hlo_moves_no_activations(lib, case, strategy):
     kinds = {kind for kind, _ in found}
     allowed = {"all-reduce"} | ({"all-to-all"} if "expert_axis" in kwargs else set())
     if layer.weight_axes:
-        # one gather per weight, on the whole-along-D shape; gradients reduce-scattered
-        allowed |= {"all-gather", "reduce-scatter"}
+        # one gather per weight gathered whole, on the whole-along-D shape; its gradient
+        # reduce-scattered. Under the ring, the expert matrices and their gradients move
+        # as one device's slice per collective-permute instead.
+        travelling = ("wi_0", "wi_1", "wo") if layer.weight_gather == "ring" else ()
+        allowed |= {"all-gather", "reduce-scatter"} | (
+            {"collective-permute"} if travelling else set())
         gathered = [dims[0] for kind, dims in found if kind == "all-gather"]
         assert sorted(gathered) == sorted(_local(layer, k, w.shape, True)
-                                          for k, w in params.items()), found
+                                          for k, w in params.items() if k not in travelling), found
         assert "reduce-scatter" in kinds, found
+        permuted = {dims[0] for kind, dims in found if kind == "collective-permute"}
+        assert permuted == {_local(layer, k, params[k].shape) for k in travelling}, found
     else:
         assert "all-gather" not in kinds, found
     assert kinds <= allowed, found

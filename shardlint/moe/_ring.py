@@ -1,0 +1,138 @@
+"""Expert matmuls whose weights travel around a ring instead of being gathered whole.
+
+In the memory-lean layout every device holds a 1/n slice of each expert matrix along the
+embed dimension D (n: the size of the weight axes). Gathering a layer's matrices whole
+puts all of them on every device at once (64 experts x 2048 x 1024 x 3 in bf16 is 768 MiB)
+and their full gradients too, until the reduce-scatter. The ring keeps one slice in hand:
+
+  forward   n steps; at each, multiply by the slice in hand, then pass it to the next
+            device (`ppermute`); a contraction over D sums the partial products of the
+            matching slice of x, an expansion to D writes its slice of the output.
+  backward  the slices go round again for the input gradient; each device adds its
+            contribution to the gradient of one slice into a buffer that travels round
+            the ring one step behind the slices and arrives, after n - 1 steps, at the
+            slice's owner with every device's contribution (a reduce-scatter done as it
+            computes).
+
+Per device, the slice in hand and the one arriving (2/n of a matrix, and as much of its
+gradient) instead of the whole matrix and its whole gradient: less from n = 3 on; at
+n = 2 they are the whole matrix, and the layer gathers instead (`ShardedRoutedMoE`'s
+default). The products are any bilinear map of (x, w):
+`jax.lax.ragged_dot` for the grouped matmul, an einsum for expert-batched slots; their
+transposes come from `jax.linear_transpose`, so the ring never restates a product's
+gradient. A ring of one device is the plain product.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+# bilinear in (activations, weights); `aux`: integer operands it needs (group sizes)
+Product = Callable[[jax.Array, Any, tuple], Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightRing:
+    """The mesh axes whose devices hold the slices of D, in the order `all_gather` tiles
+    them, and how many devices there are. `WeightRing((), 1)` multiplies in place."""
+
+    axes: tuple[str, ...]
+    size: int
+
+    def contract(self, product: Product, x: jax.Array, w: Any, aux: tuple = ()) -> Any:
+        """`product(x, w_whole, aux)` for a product that contracts x's last dimension (D)
+        with the weights' D, each device holding its slice of D in `w`."""
+        if self.size == 1:
+            return product(x, w, aux)
+        d = x.shape[-1] // self.size
+
+        def term(x, w, c, aux):
+            return product(jax.lax.dynamic_slice_in_dim(x, c * d, d, axis=x.ndim - 1), w, aux)
+        return _ring(term, self, x, w, aux)
+
+    def expand(self, product: Product, x: jax.Array, w: Any, aux: tuple = ()) -> jax.Array:
+        """`product(x, w_whole, aux)` for a product whose output's last dimension is the
+        weights' D, each device holding its slice of D in `w`."""
+        if self.size == 1:
+            return product(x, w, aux)
+
+        def term(x, w, c, aux):
+            y = product(x, w, aux)
+            d = y.shape[-1]
+            whole = jnp.zeros(y.shape[:-1] + (d * self.size,), y.dtype)
+            return jax.lax.dynamic_update_slice_in_dim(whole, y, c * d, axis=y.ndim - 1)
+        return _ring(term, self, x, w, aux)
+
+
+IN_PLACE = WeightRing((), 1)
+
+
+def _add(a: Any, b: Any) -> Any:
+    return jax.tree.map(jnp.add, a, b)
+
+
+def _pass_on(tree: Any, ring: WeightRing) -> Any:
+    """Every device's value to the next device of the ring (i -> i + 1 mod n)."""
+    perm = [(i, (i + 1) % ring.size) for i in range(ring.size)]
+    return jax.tree.map(lambda v: jax.lax.ppermute(v, ring.axes, perm), tree)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _ring(term, ring, x, w, aux):
+    """sum over devices c of term(x, w_c, c, aux), w_c being device c's `w`; `term` is
+    bilinear in (x, w). At step j a device holds the slice of device (me - j) mod n.
+    `term` must close over no traced value (custom_vjp's rule): what it needs comes in
+    as `aux`, integers that take no gradient."""
+    me = jax.lax.axis_index(ring.axes)
+
+    def step(j, carry):
+        w_held, y = carry
+        w_held = _pass_on(w_held, ring)
+        return w_held, _add(y, term(x, w_held, (me - j) % ring.size, aux))
+
+    return jax.lax.fori_loop(1, ring.size, step, (w, term(x, w, me, aux)))[1]
+
+
+def _ring_fwd(term, ring, x, w, aux):
+    return _ring(term, ring, x, w, aux), (x, w, aux)
+
+
+def _ring_bwd(term, ring, residuals, ct):
+    """The input gradient from the slices going round again. The weights' gradient: at
+    step j a device adds its share of dW for the slice of device (me - 1 - j) mod n to a
+    buffer that travels round the ring one step behind the weights and reaches that
+    device, at j = n - 1, with every device's share (a reduce-scatter done while
+    computing)."""
+    x, w, aux = residuals
+    n, me = ring.size, jax.lax.axis_index(ring.axes)
+
+    def grad_x(w_c, c):
+        return jax.linear_transpose(lambda v: term(v, w_c, c, aux), x)(ct)[0]
+
+    def grad_w(c):
+        return jax.linear_transpose(lambda v: term(x, v, c, aux), w)(ct)[0]
+
+    def step(j, carry):
+        w_held, dx, dw_travelling = carry
+        w_held = _pass_on(w_held, ring)
+        dw_travelling = _pass_on(dw_travelling, ring)
+        return (w_held, dx + grad_x(w_held, (me - j) % n),
+                _add(dw_travelling, grad_w((me - 1 - j) % n)))
+
+    first = (w, grad_x(w, me), grad_w((me - 1) % n))
+    _, dx, dw = jax.lax.fori_loop(1, n, step, first)
+    return dx, dw, jax.tree.map(_no_gradient, aux)
+
+
+def _no_gradient(v: jax.Array) -> np.ndarray:
+    """The cotangent of an integer operand: float0 zeros."""
+    return np.zeros(v.shape, jax.dtypes.float0)
+
+
+_ring.defvjp(_ring_fwd, _ring_bwd)
