@@ -15,6 +15,7 @@ ShardedRoutedMoE's arguments + temp <= MaxText's at every cp, and its temp <= 1.
     .venv312/bin/python benchmarks/moe_vs_maxtext.py         # 8 simulated CPU devices
     .venv312/bin/python benchmarks/moe_vs_maxtext.py --topology v5p:2x2x1   # TPU compiler
     .venv312/bin/python benchmarks/moe_vs_maxtext.py --topology v5p:2x2x1 --expert-axis context
+    .venv312/bin/python benchmarks/moe_vs_maxtext.py --topology v5p:2x2x1 --weight-gather whole
 
 CPU default: batch 2, seq 2048 and 8192, emb 64, mlp 128, 8 experts, top-2, float32, data 2.
 `--topology`: libtpu ahead of time, no TPU attached (no step time): bf16, batch 1, seq
