@@ -1,8 +1,9 @@
-"""Shared set-up of the MoE benchmarks: sizes, meshes and the three layers compared.
+"""Shared set-up of the MoE benchmarks: sizes, meshes and the layers compared.
 
-The three are the reference RoutedMoE (flattens globally: loses the sequence sharding),
-ShardedRoutedMoE (flattens per shard) and the usual workaround, a dense SwiGLU MLP of the
-same active FLOPs (hidden = top_k * mlp_dim), which keeps the sharding but drops routing.
+They are the reference RoutedMoE (flattens globally: loses the sequence sharding),
+ShardedRoutedMoE (flattens per shard) in its default layout and with every weight
+gathered whole, and the usual workaround, a dense SwiGLU MLP of the same active FLOPs
+(hidden = top_k * mlp_dim), which keeps the sharding but drops routing.
 Each is measured as a training step: value_and_grad of a scalar loss over params and x.
 The scripts set `jax_num_cpu_devices` before importing this module.
 """
@@ -34,6 +35,9 @@ NUM_DEVICES = 8
 # promises. With the batch over "data" too, every N holds B*S/8 tokens per device.
 X_SPEC = P(None, "context", None)
 X_SPEC_BATCH_OVER_DATA = P("data", "context", None)
+# ShardedRoutedMoE with every weight gathered whole in the layer, beside its default (the
+# expert matrices passed round the weight axes where those hold more than 2 devices)
+GATHERED = "ShardedRoutedMoE (gathered)"
 
 
 def token_axes(x_spec: P) -> dict[str, tuple[str, ...]]:
@@ -77,6 +81,7 @@ def variants(cfg: moe.MoeConfig, mesh: jax.sharding.Mesh, x_spec: P) -> list[Var
     moe_params = moe.init_moe_params(key, cfg)
     replicated = jax.tree.map(lambda _: P(), moe_params)
     sharded = moe.ShardedRoutedMoE(cfg, mesh, **token_axes(x_spec))
+    gathered = moe.ShardedRoutedMoE(cfg, mesh, **token_axes(x_spec), weight_gather="whole")
     D, H = cfg.emb_dim, cfg.top_k * cfg.mlp_dim
     mlp_params = normal_params(key, {"wi_0": ((D, H), D), "wi_1": ((D, H), D),
                                      "wo": ((H, D), H)}, cfg.dtype)
@@ -84,6 +89,7 @@ def variants(cfg: moe.MoeConfig, mesh: jax.sharding.Mesh, x_spec: P) -> list[Var
     return [
         Variant("RoutedMoE (reference)", moe.RoutedMoE(cfg), moe_params, replicated),
         Variant("ShardedRoutedMoE", sharded, moe_params, sharded.param_specs()),
+        Variant(GATHERED, gathered, moe_params, gathered.param_specs()),
         Variant(f"dense MLP (hidden {H})", mlp, mlp_params,
                 jax.tree.map(lambda _: P(), mlp_params)),
     ]
