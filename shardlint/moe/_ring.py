@@ -17,10 +17,11 @@ and their full gradients too, until the reduce-scatter. The ring keeps one slice
 Per device, the slice in hand and the one arriving (2/n of a matrix, and as much of its
 gradient) instead of the whole matrix and its whole gradient: less from n = 3 on; at
 n = 2 they are the whole matrix, and the layer gathers instead (`ShardedRoutedMoE`'s
-default). The products are any bilinear map of (x, w):
-`jax.lax.ragged_dot` for the grouped matmul, an einsum for expert-batched slots; their
-transposes come from `jax.linear_transpose`, so the ring never restates a product's
-gradient. A ring of one device is the plain product.
+default).
+
+The products are any bilinear map of (x, w): `jax.lax.ragged_dot` for the grouped matmul,
+an einsum for expert-batched slots. Their transposes come from `jax.linear_transpose`, so
+the ring never restates a product's gradient. A ring of one device is the plain product.
 """
 
 from __future__ import annotations

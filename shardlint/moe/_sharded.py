@@ -42,12 +42,12 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from . import _compat, _layout
-from ._ring import IN_PLACE, WeightRing
 from ._axes import (MoeShardingError, TokenAxes, as_axes, check_layout, infer_token_axes,
                     static_problems)
 from ._config import MoeConfig
 from ._experts import (Params, batched_swiglu, combine_rows, dense_combine, dense_dispatch,
                        grouped_swiglu, init_moe_params, moe_tokens)
+from ._ring import IN_PLACE, WeightRing
 from ._routing import route
 
 _PARAM_KEYS = tuple(_layout.EMBED_DIMS)
