@@ -27,7 +27,7 @@ import jax.numpy as jnp
 
 from . import _compat
 from ._config import MoeConfig
-from ._ring import IN_PLACE, WeightRing
+from ._ring import IN_PLACE, Slices
 from ._routing import route
 
 Params = dict[str, Any]
@@ -68,12 +68,12 @@ def swiglu(x_TD: jax.Array, wi_0_DF: jax.Array, wi_1_DF: jax.Array,
 def grouped_swiglu(x_ND: jax.Array, group_M: jax.Array, num_groups: int,
                    wi_0_GDF: jax.Array, wi_1_GDF: jax.Array, wo_GFD: jax.Array, *,
                    source_M: jax.Array | None = None,
-                   ring: WeightRing = IN_PLACE) -> jax.Array:
+                   slices: Slices = IN_PLACE) -> jax.Array:
     """Row m of the result is expert `group_M[m]`'s SwiGLU of x_ND[source_M[m]].
 
     source_M defaults to the identity (row m of x_ND). A group id of `num_groups` marks a
-    padding row; its result is zero. Returns y_MD in the original row order. With a
-    `ring`, the weights hold this device's slice of D and travel round it (`_ring`).
+    padding row; its result is zero. Returns y_MD in the original row order. `slices`:
+    the weights hold this device's slice of D, and come whole as it says (`_ring`).
     """
     M = group_M.shape[0]
     with jax.named_scope("moe/sort"):
@@ -82,8 +82,8 @@ def grouped_swiglu(x_ND: jax.Array, group_M: jax.Array, num_groups: int,
         x_MD = x_ND[src_M]
         sizes_G = jnp.zeros((num_groups,), jnp.int32).at[group_M].add(1, mode="drop")
     with jax.named_scope("moe/experts"):
-        h0_MF, h1_MF = ring.contract(_grouped, x_MD, (wi_0_GDF, wi_1_GDF), (sizes_G,))
-        y_MD = ring.expand(_grouped, jax.nn.silu(h0_MF) * h1_MF, wo_GFD, (sizes_G,))
+        h0_MF, h1_MF = slices.contract(_grouped, x_MD, (wi_0_GDF, wi_1_GDF), (sizes_G,))
+        y_MD = slices.expand(_grouped, jax.nn.silu(h0_MF) * h1_MF, wo_GFD, (sizes_G,))
         valid_M = jnp.arange(M) < jnp.sum(sizes_G)
         y_MD = jnp.where(valid_M[:, None], y_MD, jnp.zeros_like(y_MD))
     with jax.named_scope("moe/unsort"):
@@ -108,12 +108,12 @@ def combine_rows(y_MD: jax.Array, weights_TK: jax.Array) -> jax.Array:
 
 def sparse_experts(x_TD: jax.Array, weights_TK: jax.Array, experts_TK: jax.Array,
                    params: Params, num_experts: int, *,
-                   ring: WeightRing = IN_PLACE) -> jax.Array:
+                   slices: Slices = IN_PLACE) -> jax.Array:
     """Dropless routed experts on one token block: sort, grouped matmuls, unsort, combine."""
     T, K = experts_TK.shape
     y_MD = grouped_swiglu(x_TD, experts_TK.reshape(T * K), num_experts, params["wi_0"],
                           params["wi_1"], params["wo"], source_M=jnp.arange(T * K) // K,
-                          ring=ring)
+                          slices=slices)
     return combine_rows(y_MD, weights_TK)
 
 
@@ -139,11 +139,11 @@ def dense_dispatch(x_TD: jax.Array, weights_TK: jax.Array, experts_TK: jax.Array
 
 
 def batched_swiglu(x_ECD: jax.Array, wi_0_EDF: jax.Array, wi_1_EDF: jax.Array,
-                   wo_EFD: jax.Array, *, ring: WeightRing = IN_PLACE) -> jax.Array:
-    """Every expert's SwiGLU on its own slots (`ring`: as in `grouped_swiglu`)."""
+                   wo_EFD: jax.Array, *, slices: Slices = IN_PLACE) -> jax.Array:
+    """Every expert's SwiGLU on its own slots (`slices`: as in `grouped_swiglu`)."""
     with jax.named_scope("moe/experts"):
-        h0, h1 = ring.contract(_batched, x_ECD, (wi_0_EDF, wi_1_EDF))
-        return ring.expand(_batched, jax.nn.silu(h0) * h1, wo_EFD)
+        h0, h1 = slices.contract(_batched, x_ECD, (wi_0_EDF, wi_1_EDF))
+        return slices.expand(_batched, jax.nn.silu(h0) * h1, wo_EFD)
 
 
 def _batched(x_ECK: jax.Array, w: Any, aux: tuple = ()) -> Any:
@@ -159,15 +159,15 @@ def dense_combine(y_ECD: jax.Array, combine_TEC: jax.Array) -> jax.Array:
 
 def dense_experts(x_TD: jax.Array, weights_TK: jax.Array, experts_TK: jax.Array,
                   params: Params, num_experts: int, capacity: int, *,
-                  ring: WeightRing = IN_PLACE) -> jax.Array:
+                  slices: Slices = IN_PLACE) -> jax.Array:
     x_ECD, combine_TEC = dense_dispatch(x_TD, weights_TK, experts_TK, num_experts, capacity)
-    y_ECD = batched_swiglu(x_ECD, params["wi_0"], params["wi_1"], params["wo"], ring=ring)
+    y_ECD = batched_swiglu(x_ECD, params["wi_0"], params["wi_1"], params["wo"], slices=slices)
     return dense_combine(y_ECD, combine_TEC)
 
 
 def moe_tokens(x_TD: jax.Array, params: Params, cfg: MoeConfig, *,
-               ring: WeightRing = IN_PLACE) -> jax.Array:
-    """Route one token block and run its experts (no communication but the `ring`'s).
+               slices: Slices = IN_PLACE) -> jax.Array:
+    """Route one token block and run its experts (no communication but for `slices`).
 
     With tensor parallelism the expert weights hold a slice of F and the result is this
     slice's partial sum, which the caller reduces.
@@ -175,6 +175,6 @@ def moe_tokens(x_TD: jax.Array, params: Params, cfg: MoeConfig, *,
     weights_TK, experts_TK = route(x_TD, params["gate"], cfg)
     if cfg.strategy == "sparse":
         return sparse_experts(x_TD, weights_TK, experts_TK, params, cfg.num_experts,
-                              ring=ring)
+                              slices=slices)
     return dense_experts(x_TD, weights_TK, experts_TK, params, cfg.num_experts,
-                         cfg.capacity(x_TD.shape[0]), ring=ring)
+                         cfg.capacity(x_TD.shape[0]), slices=slices)

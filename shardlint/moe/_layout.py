@@ -2,13 +2,14 @@
 
 The memory-lean layout shards the weights' embed dimension D over the mesh axes that
 shard the tokens (fsdp, data, context), on top of the expert dimension over `expert_axis`
-and the hidden dimension over `tensor_axis`. Inside `shard_map` each layer all-gathers
-its own weights over those axes on entry (`jax.lax.all_gather(..., tiled=True)`); JAX
-transposes that gather into a reduce-scatter, so the gradients leave the layer already
-sharded like the weights. (Or the expert matrices' slices go round those axes one at a
-time, see `_ring`; the router's kernel is gathered here either way.) No activation moves
-for it: the tokens stay where they are and the weights come to them (FSDP / ZeRO-3, as
-MaxText shards its experts' embed dimension over fsdp and context).
+and the hidden dimension over `tensor_axis`. Inside `shard_map` each layer gets its own
+weights whole over those axes: the router's kernel (and the Qwen3-Next shared expert) by
+`gather` on entry (`jax.lax.all_gather(..., tiled=True)`, which JAX transposes into a
+reduce-scatter), the expert matrices for each product by the schedule of `_ring`
+(gathered again for the backward pass, or passed round the weight axes). The gradients
+leave the layer sharded like the weights. No activation moves for it: the tokens stay
+where they are and the weights come to them (FSDP / ZeRO-3, as MaxText shards its
+experts' embed dimension over fsdp and context).
 
 Every weight axis must also shard the tokens of the call: a shard that holds tokens
 replicated over a weight axis would compute the same partial gradient as its neighbours

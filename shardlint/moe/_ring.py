@@ -1,4 +1,4 @@
-"""Expert matmuls whose weights travel around a ring instead of being gathered whole.
+"""Expert matmuls with weights sharded along D: gathered whole, or passed round a ring.
 
 In the memory-lean layout every device holds a 1/n slice of each expert matrix along the
 embed dimension D (n: the size of the weight axes). Gathering a layer's matrices whole
@@ -19,9 +19,18 @@ gradient) instead of the whole matrix and its whole gradient: less from n = 3 on
 n = 2 they are the whole matrix, and the layer gathers instead (`ShardedRoutedMoE`'s
 default).
 
+`WeightGather` is the other schedule: all-gather the matrix for the product, and in the
+backward pass gather it again and reduce-scatter its gradient. Autodiff through a plain
+gather would save the gathered matrix for the backward pass, so that a stack of layers
+without remat holds every layer's whole matrices from its forward pass to its backward
+(measured: temp grew by the gathered matrices for every layer of a scan); here only the
+local slice is saved, as FSDP does.
+
 The products are any bilinear map of (x, w): `jax.lax.ragged_dot` for the grouped matmul,
 an einsum for expert-batched slots. Their transposes come from `jax.linear_transpose`, so
-the ring never restates a product's gradient. A ring of one device is the plain product.
+neither schedule restates a product's gradient. The weights' last two dimensions are the
+product's contracted (K) and output (N) ones, as in `ragged_dot`'s [G, K, N]; D is K for a
+contraction and N for an expansion. On one device both are the plain product.
 """
 
 from __future__ import annotations
@@ -71,7 +80,27 @@ class WeightRing:
         return _ring(term, self, x, w, aux)
 
 
-IN_PLACE = WeightRing((), 1)
+@dataclasses.dataclass(frozen=True)
+class WeightGather:
+    """The same products with each matrix gathered whole over `axes` (`size` devices) for
+    the product, and gathered again for its gradients."""
+
+    axes: tuple[str, ...]
+    size: int
+
+    def contract(self, product: Product, x: jax.Array, w: Any, aux: tuple = ()) -> Any:
+        if self.size == 1:
+            return product(x, w, aux)
+        return _gathered(product, -2, self.axes, x, w, aux)
+
+    def expand(self, product: Product, x: jax.Array, w: Any, aux: tuple = ()) -> Any:
+        if self.size == 1:
+            return product(x, w, aux)
+        return _gathered(product, -1, self.axes, x, w, aux)
+
+
+Slices = WeightRing | WeightGather
+IN_PLACE = WeightGather((), 1)
 
 
 def _add(a: Any, b: Any) -> Any:
@@ -137,3 +166,35 @@ def _no_gradient(v: jax.Array) -> np.ndarray:
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd)
+
+
+def _whole(w: Any, dim: int, axes: tuple[str, ...]) -> Any:
+    return jax.tree.map(
+        lambda v: jax.lax.all_gather(v, axes, axis=v.ndim + dim, tiled=True), w)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _gathered(product, dim, axes, x, w, aux):
+    """product(x, w gathered whole along its dimension `dim`, aux)."""
+    with jax.named_scope("moe/gather_weights"):
+        whole = _whole(w, dim, axes)
+    return product(x, whole, aux)
+
+
+def _gathered_fwd(product, dim, axes, x, w, aux):
+    return _gathered(product, dim, axes, x, w, aux), (x, w, aux)
+
+
+def _gathered_bwd(product, dim, axes, residuals, ct):
+    """Gather the matrix again; its whole gradient leaves reduce-scattered to the slice."""
+    x, w, aux = residuals
+    with jax.named_scope("moe/gather_weights"):
+        whole = _whole(w, dim, axes)
+    dx = jax.linear_transpose(lambda v: product(v, whole, aux), x)(ct)[0]
+    dwhole = jax.linear_transpose(lambda v: product(x, v, aux), whole)(ct)[0]
+    dw = jax.tree.map(lambda g: jax.lax.psum_scatter(
+        g, axes, scatter_dimension=g.ndim + dim, tiled=True), dwhole)
+    return dx, dw, jax.tree.map(_no_gradient, aux)
+
+
+_gathered.defvjp(_gathered_fwd, _gathered_bwd)

@@ -20,9 +20,10 @@ only where a parallelism needs it:
     (sequence parallelism), the block is all-gathered over it on entry and the output is
     psum-scattered back.
   weights sharded over the token axes (`weight_axes`, D sharded; see `_layout`): the
-    block all-gathers its weights on entry and reduce-scatters their gradients
-    (`weight_gather="whole"`), or passes the expert matrices' slices round the weight axes
-    one at a time, so that only a slice of each is ever in hand (`"ring"`, see `_ring`).
+    block all-gathers the router's kernel on entry; each expert matrix is all-gathered
+    for its product and again for its gradients, which are reduce-scattered
+    (`weight_gather="whole"`), or its slices pass round the weight axes one at a time, so
+    that only a slice of each is ever in hand (`"ring"`); see `_ring`.
 
 Dense strategy: capacity is per *local* token group (the block a device routes, after
 the sequence-parallel gather if any), so this equals the reference only when the capacity
@@ -47,7 +48,7 @@ from ._axes import (MoeShardingError, TokenAxes, as_axes, check_layout, infer_to
 from ._config import MoeConfig
 from ._experts import (Params, batched_swiglu, combine_rows, dense_combine, dense_dispatch,
                        grouped_swiglu, init_moe_params, moe_tokens)
-from ._ring import IN_PLACE, WeightRing
+from ._ring import IN_PLACE, Slices, WeightGather, WeightRing
 from ._routing import route
 
 _PARAM_KEYS = tuple(_layout.EMBED_DIMS)
@@ -90,8 +91,9 @@ class ShardedRoutedMoE:
     as NamedShardings on the mesh (put `init`'s params there).
 
     `weight_gather`: how a shard gets the expert matrices whole along D. `"whole"`:
-    all-gathered on entry, one layer's matrices at a time, their gradients
-    reduce-scattered. `"ring"`: their slices pass from device to device round the weight
+    all-gathered for the product, one layer's matrices at a time, gathered again for the
+    backward pass (so a stack of layers keeps no layer's whole matrices between the two)
+    and their gradients reduce-scattered. `"ring"`: their slices pass from device to device round the weight
     axes while the grouped matmuls run on the slice in hand, and the gradients' slices
     travel back to their owners the same way (`_ring`); a device holds the slice in hand
     and the one arriving, 2/n of a matrix, instead of the whole matrix and its whole
@@ -168,12 +170,10 @@ class ShardedRoutedMoE:
         jit cache; under an outer jit it is inlined)."""
         key = (axes.batch, axes.seq)
         if key not in self._fns:
-            gathered = (_layout.EMBED_DIMS if self.weight_gather == "whole"
-                        else {"gate": _layout.EMBED_DIMS["gate"]})
+            router = {"gate": _layout.EMBED_DIMS["gate"]}  # the experts': `_slices`
 
             def body(p, x):
-                p = {**p, **_layout.gather({k: p[k] for k in gathered}, gathered,
-                                           self.weight_axes)}
+                p = {**p, **_layout.gather({"gate": p["gate"]}, router, self.weight_axes)}
                 return self._block(p, x, axes)
             self._fns[key] = jax.jit(_compat.shard_map(
                 body, mesh=self.mesh, in_specs=(self.param_specs(), axes.x_spec),
@@ -189,11 +189,12 @@ class ShardedRoutedMoE:
         return math.prod(self.mesh.shape.get(a, 1) for a in self.weight_axes)
 
     @property
-    def _ring(self) -> WeightRing:
-        """Where the expert matrices' slices of D travel (in place once gathered whole)."""
-        if self.weight_gather == "whole" or not self.weight_axes:
+    def _slices(self) -> Slices:
+        """How the expert matrices' slices of D come whole for their products."""
+        if not self.weight_axes:
             return IN_PLACE
-        return WeightRing(self.weight_axes, self._weight_degree())
+        schedule = WeightRing if self.weight_gather == "ring" else WeightGather
+        return schedule(self.weight_axes, self._weight_degree())
 
     def _block(self, params: Params, x_bsD: jax.Array, axes: TokenAxes) -> jax.Array:
         b, s, D = x_bsD.shape
@@ -206,7 +207,7 @@ class ShardedRoutedMoE:
                 x_TD = jax.lax.all_gather(x_TD, tp_axis, axis=0, tiled=True)
         reduce_axes = []
         if self._size(ep_axis) == 1:
-            y_TD = moe_tokens(x_TD, params, self.cfg, ring=self._ring)
+            y_TD = moe_tokens(x_TD, params, self.cfg, slices=self._slices)
             if ep_axis is not None and ep_axis not in axes.all:
                 # One device along it moves no data, but the weights sharded over it make
                 # the result vary over it as shard_map types values: reduce it as below.
@@ -241,7 +242,7 @@ class ShardedRoutedMoE:
             with jax.named_scope("moe/all_to_all"):
                 x_LND = a2a(x_ECD, 0, 1)  # [E/ep, ep*C, D]: my experts, every source
             y_LND = batched_swiglu(x_LND, params["wi_0"], params["wi_1"], params["wo"],
-                                   ring=self._ring)
+                                   slices=self._slices)
             with jax.named_scope("moe/all_to_all"):
                 y_ECD = a2a(y_LND, 1, 0)
             return dense_combine(y_ECD, combine_TEC)
@@ -259,7 +260,7 @@ class ShardedRoutedMoE:
             recv_PCD, rids_PC = a2a(send_PCD, 0, 0), a2a(ids_PC, 0, 0)
         y_ND = grouped_swiglu(recv_PCD.reshape(ep * cap, D), rids_PC.reshape(ep * cap),
                               E_loc, params["wi_0"], params["wi_1"], params["wo"],
-                              ring=self._ring)
+                              slices=self._slices)
         with jax.named_scope("moe/all_to_all"):
             back_PCD = a2a(y_ND.reshape(ep, cap, D), 0, 0)
         with jax.named_scope("moe/undispatch"):
@@ -278,11 +279,11 @@ class ShardedRoutedMoE:
                                                 cfg.num_experts, cfg.capacity(T))
             x_LCD = jax.lax.dynamic_slice_in_dim(x_ECD, first, E_loc, axis=0)
             y_LCD = batched_swiglu(x_LCD, params["wi_0"], params["wi_1"], params["wo"],
-                                   ring=self._ring)
+                                   slices=self._slices)
             combine_TLC = jax.lax.dynamic_slice_in_dim(combine_TEC, first, E_loc, axis=1)
             return dense_combine(y_LCD, combine_TLC)
         local_M = experts_TK.reshape(T * K) - first
         local_M = jnp.where((local_M >= 0) & (local_M < E_loc), local_M, E_loc)
         y_MD = grouped_swiglu(x_TD, local_M, E_loc, params["wi_0"], params["wi_1"],
-                              params["wo"], source_M=jnp.arange(T * K) // K, ring=self._ring)
+                              params["wo"], source_M=jnp.arange(T * K) // K, slices=self._slices)
         return combine_rows(y_MD, weights_TK)

@@ -179,9 +179,11 @@ def test_sharded_hlo_moves_no_activations(lib, case, strategy):
     kinds = {kind for kind, _ in found}
     allowed = {"all-reduce"} | ({"all-to-all"} if "expert_axis" in kwargs else set())
     if layer.weight_axes:
-        # one gather per weight gathered whole, on the whole-along-D shape; its gradient
-        # reduce-scattered. Under the ring, the expert matrices and their gradients move
-        # as one device's slice per collective-permute instead.
+        # one gather per weight gathered whole, on the whole-along-D shape (the backward
+        # pass gathers the expert matrices again, the same instruction in one layer's
+        # step, which XLA merges with the forward's); its gradient reduce-scattered.
+        # Under the ring, the expert matrices and their gradients move as one device's
+        # slice per collective-permute instead.
         travelling = ("wi_0", "wi_1", "wo") if layer.weight_gather == "ring" else ()
         allowed |= {"all-gather", "reduce-scatter"} | (
             {"collective-permute"} if travelling else set())
