@@ -27,7 +27,7 @@ import jax.numpy as jnp
 
 from . import _compat
 from ._config import MoeConfig
-from ._ring import IN_PLACE, Slices
+from ._ring import IN_PLACE, WeightSlices
 from ._routing import route
 
 Params = dict[str, Any]
@@ -68,7 +68,7 @@ def swiglu(x_TD: jax.Array, wi_0_DF: jax.Array, wi_1_DF: jax.Array,
 def grouped_swiglu(x_ND: jax.Array, group_M: jax.Array, num_groups: int,
                    wi_0_GDF: jax.Array, wi_1_GDF: jax.Array, wo_GFD: jax.Array, *,
                    source_M: jax.Array | None = None,
-                   slices: Slices = IN_PLACE) -> jax.Array:
+                   slices: WeightSlices = IN_PLACE) -> jax.Array:
     """Row m of the result is expert `group_M[m]`'s SwiGLU of x_ND[source_M[m]].
 
     source_M defaults to the identity (row m of x_ND). A group id of `num_groups` marks a
@@ -108,7 +108,7 @@ def combine_rows(y_MD: jax.Array, weights_TK: jax.Array) -> jax.Array:
 
 def sparse_experts(x_TD: jax.Array, weights_TK: jax.Array, experts_TK: jax.Array,
                    params: Params, num_experts: int, *,
-                   slices: Slices = IN_PLACE) -> jax.Array:
+                   slices: WeightSlices = IN_PLACE) -> jax.Array:
     """Dropless routed experts on one token block: sort, grouped matmuls, unsort, combine."""
     T, K = experts_TK.shape
     y_MD = grouped_swiglu(x_TD, experts_TK.reshape(T * K), num_experts, params["wi_0"],
@@ -139,7 +139,7 @@ def dense_dispatch(x_TD: jax.Array, weights_TK: jax.Array, experts_TK: jax.Array
 
 
 def batched_swiglu(x_ECD: jax.Array, wi_0_EDF: jax.Array, wi_1_EDF: jax.Array,
-                   wo_EFD: jax.Array, *, slices: Slices = IN_PLACE) -> jax.Array:
+                   wo_EFD: jax.Array, *, slices: WeightSlices = IN_PLACE) -> jax.Array:
     """Every expert's SwiGLU on its own slots (`slices`: as in `grouped_swiglu`)."""
     with jax.named_scope("moe/experts"):
         h0, h1 = slices.contract(_batched, x_ECD, (wi_0_EDF, wi_1_EDF))
@@ -159,14 +159,14 @@ def dense_combine(y_ECD: jax.Array, combine_TEC: jax.Array) -> jax.Array:
 
 def dense_experts(x_TD: jax.Array, weights_TK: jax.Array, experts_TK: jax.Array,
                   params: Params, num_experts: int, capacity: int, *,
-                  slices: Slices = IN_PLACE) -> jax.Array:
+                  slices: WeightSlices = IN_PLACE) -> jax.Array:
     x_ECD, combine_TEC = dense_dispatch(x_TD, weights_TK, experts_TK, num_experts, capacity)
     y_ECD = batched_swiglu(x_ECD, params["wi_0"], params["wi_1"], params["wo"], slices=slices)
     return dense_combine(y_ECD, combine_TEC)
 
 
 def moe_tokens(x_TD: jax.Array, params: Params, cfg: MoeConfig, *,
-               slices: Slices = IN_PLACE) -> jax.Array:
+               slices: WeightSlices = IN_PLACE) -> jax.Array:
     """Route one token block and run its experts (no communication but for `slices`).
 
     With tensor parallelism the expert weights hold a slice of F and the result is this

@@ -19,7 +19,7 @@ gradient) instead of the whole matrix and its whole gradient: less from n = 3 on
 n = 2 they are the whole matrix, and the layer gathers instead (`ShardedRoutedMoE`'s
 default).
 
-`WeightGather` is the other schedule: all-gather the matrix for the product, and in the
+The other schedule (`ring=False`): all-gather the matrix for the product, and in the
 backward pass gather it again and reduce-scatter its gradient. Autodiff through a plain
 gather would save the gathered matrix for the backward pass, so that a stack of layers
 without remat holds every layer's whole matrices from its forward pass to its backward
@@ -43,34 +43,42 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from . import _layout
+
 # bilinear in (activations, weights); `aux`: integer operands it needs (group sizes)
 Product = Callable[[jax.Array, Any, tuple], Any]
 
 
 @dataclasses.dataclass(frozen=True)
-class WeightRing:
+class WeightSlices:
     """The mesh axes whose devices hold the slices of D, in the order `all_gather` tiles
-    them, and how many devices there are. `WeightRing((), 1)` multiplies in place."""
+    them, how many devices there are, and the schedule: passed round the ring (`ring`),
+    or gathered whole. On one device (`IN_PLACE`) the product is multiplied in place."""
 
     axes: tuple[str, ...]
     size: int
+    ring: bool
 
     def contract(self, product: Product, x: jax.Array, w: Any, aux: tuple = ()) -> Any:
         """`product(x, w_whole, aux)` for a product that contracts x's last dimension (D)
-        with the weights' D, each device holding its slice of D in `w`."""
+        with the weights' K = D, each device holding its slice of D in `w`."""
         if self.size == 1:
             return product(x, w, aux)
+        if not self.ring:
+            return _gathered(product, -2, self.axes, x, w, aux)
         d = x.shape[-1] // self.size
 
         def term(x, w, c, aux):
             return product(jax.lax.dynamic_slice_in_dim(x, c * d, d, axis=x.ndim - 1), w, aux)
         return _ring(term, self, x, w, aux)
 
-    def expand(self, product: Product, x: jax.Array, w: Any, aux: tuple = ()) -> jax.Array:
+    def expand(self, product: Product, x: jax.Array, w: Any, aux: tuple = ()) -> Any:
         """`product(x, w_whole, aux)` for a product whose output's last dimension is the
-        weights' D, each device holding its slice of D in `w`."""
+        weights' N = D, each device holding its slice of D in `w`."""
         if self.size == 1:
             return product(x, w, aux)
+        if not self.ring:
+            return _gathered(product, -1, self.axes, x, w, aux)
 
         def term(x, w, c, aux):
             y = product(x, w, aux)
@@ -80,34 +88,14 @@ class WeightRing:
         return _ring(term, self, x, w, aux)
 
 
-@dataclasses.dataclass(frozen=True)
-class WeightGather:
-    """The same products with each matrix gathered whole over `axes` (`size` devices) for
-    the product, and gathered again for its gradients."""
-
-    axes: tuple[str, ...]
-    size: int
-
-    def contract(self, product: Product, x: jax.Array, w: Any, aux: tuple = ()) -> Any:
-        if self.size == 1:
-            return product(x, w, aux)
-        return _gathered(product, -2, self.axes, x, w, aux)
-
-    def expand(self, product: Product, x: jax.Array, w: Any, aux: tuple = ()) -> Any:
-        if self.size == 1:
-            return product(x, w, aux)
-        return _gathered(product, -1, self.axes, x, w, aux)
-
-
-Slices = WeightRing | WeightGather
-IN_PLACE = WeightGather((), 1)
+IN_PLACE = WeightSlices((), 1, ring=False)
 
 
 def _add(a: Any, b: Any) -> Any:
     return jax.tree.map(jnp.add, a, b)
 
 
-def _pass_on(tree: Any, ring: WeightRing) -> Any:
+def _pass_on(tree: Any, ring: WeightSlices) -> Any:
     """Every device's value to the next device of the ring (i -> i + 1 mod n)."""
     perm = [(i, (i + 1) % ring.size) for i in range(ring.size)]
     return jax.tree.map(lambda v: jax.lax.ppermute(v, ring.axes, perm), tree)
@@ -169,16 +157,14 @@ _ring.defvjp(_ring_fwd, _ring_bwd)
 
 
 def _whole(w: Any, dim: int, axes: tuple[str, ...]) -> Any:
-    return jax.tree.map(
-        lambda v: jax.lax.all_gather(v, axes, axis=v.ndim + dim, tiled=True), w)
+    """Every weight of `w` gathered whole along its dimension `dim` (from the end)."""
+    return _layout.gather(w, jax.tree.map(lambda v: v.ndim + dim, w), axes)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
 def _gathered(product, dim, axes, x, w, aux):
     """product(x, w gathered whole along its dimension `dim`, aux)."""
-    with jax.named_scope("moe/gather_weights"):
-        whole = _whole(w, dim, axes)
-    return product(x, whole, aux)
+    return product(x, _whole(w, dim, axes), aux)
 
 
 def _gathered_fwd(product, dim, axes, x, w, aux):
@@ -188,8 +174,7 @@ def _gathered_fwd(product, dim, axes, x, w, aux):
 def _gathered_bwd(product, dim, axes, residuals, ct):
     """Gather the matrix again; its whole gradient leaves reduce-scattered to the slice."""
     x, w, aux = residuals
-    with jax.named_scope("moe/gather_weights"):
-        whole = _whole(w, dim, axes)
+    whole = _whole(w, dim, axes)
     dx = jax.linear_transpose(lambda v: product(v, whole, aux), x)(ct)[0]
     dwhole = jax.linear_transpose(lambda v: product(x, v, aux), whole)(ct)[0]
     dw = jax.tree.map(lambda g: jax.lax.psum_scatter(

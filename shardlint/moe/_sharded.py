@@ -48,7 +48,7 @@ from ._axes import (MoeShardingError, TokenAxes, as_axes, check_layout, infer_to
 from ._config import MoeConfig
 from ._experts import (Params, batched_swiglu, combine_rows, dense_combine, dense_dispatch,
                        grouped_swiglu, init_moe_params, moe_tokens)
-from ._ring import IN_PLACE, Slices, WeightGather, WeightRing
+from ._ring import IN_PLACE, WeightSlices
 from ._routing import route
 
 _PARAM_KEYS = tuple(_layout.EMBED_DIMS)
@@ -93,13 +93,13 @@ class ShardedRoutedMoE:
     `weight_gather`: how a shard gets the expert matrices whole along D. `"whole"`:
     all-gathered for the product, one layer's matrices at a time, gathered again for the
     backward pass (so a stack of layers keeps no layer's whole matrices between the two)
-    and their gradients reduce-scattered. `"ring"`: their slices pass from device to device round the weight
-    axes while the grouped matmuls run on the slice in hand, and the gradients' slices
-    travel back to their owners the same way (`_ring`); a device holds the slice in hand
-    and the one arriving, 2/n of a matrix, instead of the whole matrix and its whole
-    gradient. None (default): the ring where the weight axes hold more than 2 devices
-    (with 2, the two slices are the whole matrix), else the whole gather. The router's
-    small kernel is gathered whole either way.
+    and their gradients reduce-scattered. `"ring"`: their slices pass from device to
+    device round the weight axes while the grouped matmuls run on the slice in hand, and
+    the gradients' slices travel back to their owners the same way (`_ring`); a device
+    holds the slice in hand and the one arriving, 2/n of a matrix, instead of the whole
+    matrix and its whole gradient. None (default): the ring where the weight axes hold
+    more than 2 devices (with 2, the two slices are the whole matrix), else the whole
+    gather. The router's small kernel is gathered whole either way.
     """
 
     cfg: MoeConfig
@@ -170,11 +170,10 @@ class ShardedRoutedMoE:
         jit cache; under an outer jit it is inlined)."""
         key = (axes.batch, axes.seq)
         if key not in self._fns:
-            router = {"gate": _layout.EMBED_DIMS["gate"]}  # the experts': `_slices`
-
-            def body(p, x):
-                p = {**p, **_layout.gather({"gate": p["gate"]}, router, self.weight_axes)}
-                return self._block(p, x, axes)
+            def body(p, x):   # the router's kernel gathered; the experts': `_slices`
+                gate = _layout.gather(p["gate"], _layout.EMBED_DIMS["gate"],
+                                      self.weight_axes)
+                return self._block({**p, "gate": gate}, x, axes)
             self._fns[key] = jax.jit(_compat.shard_map(
                 body, mesh=self.mesh, in_specs=(self.param_specs(), axes.x_spec),
                 out_specs=axes.x_spec))
@@ -189,12 +188,12 @@ class ShardedRoutedMoE:
         return math.prod(self.mesh.shape.get(a, 1) for a in self.weight_axes)
 
     @property
-    def _slices(self) -> Slices:
+    def _slices(self) -> WeightSlices:
         """How the expert matrices' slices of D come whole for their products."""
         if not self.weight_axes:
             return IN_PLACE
-        schedule = WeightRing if self.weight_gather == "ring" else WeightGather
-        return schedule(self.weight_axes, self._weight_degree())
+        return WeightSlices(self.weight_axes, self._weight_degree(),
+                            ring=self.weight_gather == "ring")
 
     def _block(self, params: Params, x_bsD: jax.Array, axes: TokenAxes) -> jax.Array:
         b, s, D = x_bsD.shape

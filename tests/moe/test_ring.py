@@ -14,7 +14,7 @@ from jax.sharding import PartitionSpec as P
 
 from shardlint import moe
 from shardlint._jax import shard_map
-from shardlint.moe._ring import WeightRing
+from shardlint.moe._ring import WeightSlices
 
 T, D, N = 16, 16, 8
 
@@ -43,7 +43,7 @@ def test_ring_equals_the_whole_product_with_its_gradients(moe_testlib, ring_size
     rows = P(("other", "ring"), None)
 
     def per_shard(x, w):
-        ring = WeightRing(("ring",), ring_size)
+        ring = WeightSlices(("ring",), ring_size, ring=True)
         return (ring.contract if contract else ring.expand)(product, x, w)
 
     ringed = shard_map(per_shard, mesh=mesh, in_specs=(rows, w_spec), out_specs=rows,
