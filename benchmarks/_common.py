@@ -36,7 +36,7 @@ NUM_DEVICES = 8
 X_SPEC = P(None, "context", None)
 X_SPEC_BATCH_OVER_DATA = P("data", "context", None)
 # ShardedRoutedMoE with every weight gathered whole in the layer, beside its default (the
-# expert matrices passed round the weight axes where those hold more than 2 devices)
+# expert matrices passed round the weight axes where those hold more than 4 devices)
 GATHERED = "ShardedRoutedMoE (gathered)"
 
 

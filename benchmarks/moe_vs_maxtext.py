@@ -58,7 +58,7 @@ def _parse() -> argparse.Namespace:
                         "default layout's weights gathered in the layer)")
     p.add_argument("--weight-gather", default=None, choices=("whole", "ring"),
                    help="ShardedRoutedMoE's weight_gather (default: the layer's own choice, "
-                        "the ring where the weight axes hold more than 2 devices): its expert "
+                        "the ring where the weight axes hold more than 4 devices): its expert "
                         "matrices gathered whole in the layer, or their slices passed round "
                         "the weight axes")
     args = p.parse_args()

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 
 from . import _compat
 from ._config import MoeConfig
-from ._ring import IN_PLACE, WeightSlices
+from ._ring import IN_PLACE, WeightSlices, matmul
 from ._routing import route
 
 Params = dict[str, Any]
@@ -58,11 +58,11 @@ def normal_params(key: jax.Array, shapes: dict[str, tuple[tuple[int, ...], int]]
 
 
 def swiglu(x_TD: jax.Array, wi_0_DF: jax.Array, wi_1_DF: jax.Array,
-           wo_FD: jax.Array) -> jax.Array:
-    """A dense SwiGLU MLP over the last dimension (any leading dimensions)."""
-    h0 = jnp.einsum("...d,df->...f", x_TD, wi_0_DF)
-    h1 = jnp.einsum("...d,df->...f", x_TD, wi_1_DF)
-    return jnp.einsum("...f,fd->...d", jax.nn.silu(h0) * h1, wo_FD)
+           wo_FD: jax.Array, *, slices: WeightSlices = IN_PLACE) -> jax.Array:
+    """A dense SwiGLU MLP over the last dimension (any leading dimensions); `slices`: as
+    in `grouped_swiglu`."""
+    h0, h1 = slices.contract(matmul, x_TD, (wi_0_DF, wi_1_DF))
+    return slices.expand(matmul, jax.nn.silu(h0) * h1, wo_FD)
 
 
 def grouped_swiglu(x_ND: jax.Array, group_M: jax.Array, num_groups: int,
@@ -172,7 +172,7 @@ def moe_tokens(x_TD: jax.Array, params: Params, cfg: MoeConfig, *,
     With tensor parallelism the expert weights hold a slice of F and the result is this
     slice's partial sum, which the caller reduces.
     """
-    weights_TK, experts_TK = route(x_TD, params["gate"], cfg)
+    weights_TK, experts_TK = route(x_TD, params["gate"], cfg, slices=slices.whole)
     if cfg.strategy == "sparse":
         return sparse_experts(x_TD, weights_TK, experts_TK, params, cfg.num_experts,
                               slices=slices)

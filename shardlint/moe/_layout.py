@@ -3,10 +3,9 @@
 The memory-lean layout shards the weights' embed dimension D over the mesh axes that
 shard the tokens (fsdp, data, context), on top of the expert dimension over `expert_axis`
 and the hidden dimension over `tensor_axis`. Inside `shard_map` each layer gets its own
-weights whole over those axes: the router's kernel (and the Qwen3-Next shared expert) by
-`gather` on entry (`jax.lax.all_gather(..., tiled=True)`, which JAX transposes into a
-reduce-scatter), the expert matrices for each product by the schedule of `_ring`
-(gathered again for the backward pass, or passed round the weight axes). The gradients
+weights whole over those axes for each product, by the schedule of `_ring`: gathered
+(`gather`: `jax.lax.all_gather(..., tiled=True)`), and gathered again for the backward
+pass, or passed round the weight axes (the expert matrices only). The gradients
 leave the layer sharded like the weights. No activation moves for it: the tokens stay
 where they are and the weights come to them (FSDP / ZeRO-3, as MaxText shards its
 experts' embed dimension over fsdp and context).

@@ -24,6 +24,7 @@ from jax.sharding import Mesh
 from . import _compat, _layout
 from ._config import MoeConfig
 from ._experts import Params, init_moe_params, normal_params, swiglu
+from ._ring import IN_PLACE, WeightSlices, matmul
 from ._reference import RoutedMoE
 from ._sharded import ShardedRoutedMoE
 
@@ -86,19 +87,18 @@ class Qwen3NextSparseMoeBlock:
             return routed_BSD + _shared_expert(shared, x_BSD)
         x_spec = self.routed.token_axes(x_BSD).x_spec
         specs = {k: v for k, v in self.param_specs().items() if k in shared}
-        axes = self.routed.weight_axes
         per_shard = _compat.shard_map(
-            lambda p, x_bsD: _shared_expert(
-                _layout.gather(p, _layout.SHARED_EMBED_DIMS, axes), x_bsD),
+            functools.partial(_shared_expert, slices=self.routed.weight_slices.whole),
             mesh=self.mesh, in_specs=(specs, x_spec), out_specs=x_spec)
         return routed_BSD + per_shard(_layout.placed(shared, self.mesh, specs), x_BSD)
 
 
-def _shared_expert(shared: Params, x_BSD: jax.Array) -> jax.Array:
-    """sigmoid(x @ gate) * SwiGLU(x): the shared expert's share of the output."""
+def _shared_expert(shared: Params, x_BSD: jax.Array, *,
+                   slices: WeightSlices = IN_PLACE) -> jax.Array:
+    """sigmoid(x @ gate) * SwiGLU(x): the shared expert's share of the output. `slices`:
+    the weights hold this device's slice of D and come whole as it says."""
     with jax.named_scope("moe/shared_expert"):
         w = shared["shared_expert"]
-        shared_BSD = swiglu(x_BSD, w["wi_0"], w["wi_1"], w["wo"])
-        gate_BS1 = jax.nn.sigmoid(jnp.einsum("bsd,dg->bsg", x_BSD,
-                                             shared["shared_expert_gate"]))
+        shared_BSD = swiglu(x_BSD, w["wi_0"], w["wi_1"], w["wo"], slices=slices)
+        gate_BS1 = jax.nn.sigmoid(slices.contract(matmul, x_BSD, shared["shared_expert_gate"]))
         return gate_BS1 * shared_BSD

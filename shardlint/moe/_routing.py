@@ -12,10 +12,11 @@ import jax
 import jax.numpy as jnp
 
 from ._config import MoeConfig
+from ._ring import IN_PLACE, WeightSlices, matmul
 
 
-def route(x_TD: jax.Array, w_gate_DE: jax.Array,
-          cfg: MoeConfig) -> tuple[jax.Array, jax.Array]:
+def route(x_TD: jax.Array, w_gate_DE: jax.Array, cfg: MoeConfig, *,
+          slices: WeightSlices = IN_PLACE) -> tuple[jax.Array, jax.Array]:
     """Returns (weights_TK float32, experts_TK int32) for tokens x_TD.
 
     K experts per token are distinct. Semantics (MaxText RoutedMoE):
@@ -23,10 +24,10 @@ def route(x_TD: jax.Array, w_gate_DE: jax.Array,
       softmax_before_topk=True: softmax over all experts, top-k of the probabilities,
         optionally renormalised (norm_topk_prob);
       then the weights are scaled by routed_scaling_factor when it is set.
+    `slices`: the kernel holds this device's slice of D and comes whole as it says.
     """
     with jax.named_scope("moe/route"):
-        logits_TE = jnp.einsum("td,de->te", x_TD.astype(jnp.float32),
-                               w_gate_DE.astype(jnp.float32))
+        logits_TE = slices.contract(matmul, x_TD.astype(jnp.float32), w_gate_DE)
         if cfg.softmax_before_topk:
             probs_TE = jax.nn.softmax(logits_TE, axis=-1)
             weights_TK, experts_TK = jax.lax.top_k(probs_TE, cfg.top_k)

@@ -20,10 +20,10 @@ only where a parallelism needs it:
     (sequence parallelism), the block is all-gathered over it on entry and the output is
     psum-scattered back.
   weights sharded over the token axes (`weight_axes`, D sharded; see `_layout`): the
-    block all-gathers the router's kernel on entry; each expert matrix is all-gathered
-    for its product and again for its gradients, which are reduce-scattered
-    (`weight_gather="whole"`), or its slices pass round the weight axes one at a time, so
-    that only a slice of each is ever in hand (`"ring"`); see `_ring`.
+    router's kernel is all-gathered for its product and again for its gradient, which is
+    reduce-scattered; so is each expert matrix (`weight_gather="whole"`), or its slices
+    pass round the weight axes one at a time, so that only a slice of each is ever in
+    hand (`"ring"`); see `_ring`.
 
 Dense strategy: capacity is per *local* token group (the block a device routes, after
 the sequence-parallel gather if any), so this equals the reference only when the capacity
@@ -34,6 +34,7 @@ MaxText with one group per shard.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Sequence
 
@@ -53,6 +54,11 @@ from ._routing import route
 
 _PARAM_KEYS = tuple(_layout.EMBED_DIMS)
 WEIGHT_GATHERS = ("whole", "ring")
+# The default passes the expert matrices round the weight axes when they hold more devices
+# than this. Measured on the TPU compiler (v5p, bf16, emb 2048, mlp 1024, 64 experts, seq
+# 8192; benchmarks/moe_vs_maxtext.py): temp per chip gathered / ring 0.95 / 1.88 GiB on 2
+# devices, 0.66 / 0.85 on 4, 0.74 / 0.42 on 8.
+RING_ABOVE = 4
 
 
 def _axes_arg(value: str | Sequence[str] | None) -> tuple[str, ...] | None:
@@ -98,8 +104,8 @@ class ShardedRoutedMoE:
     the gradients' slices travel back to their owners the same way (`_ring`); a device
     holds the slice in hand and the one arriving, 2/n of a matrix, instead of the whole
     matrix and its whole gradient. None (default): the ring where the weight axes hold
-    more than 2 devices (with 2, the two slices are the whole matrix), else the whole
-    gather. The router's small kernel is gathered whole either way.
+    more than 4 devices, else the whole gather (what measured less on the TPU compiler;
+    see `RING_ABOVE`). The router's small kernel is gathered whole either way.
     """
 
     cfg: MoeConfig
@@ -125,7 +131,7 @@ class ShardedRoutedMoE:
         object.__setattr__(self, "weight_axes", weight_axes)
         if self.weight_gather is None:
             object.__setattr__(self, "weight_gather",
-                               "ring" if self._weight_degree() > 2 else "whole")
+                               "ring" if self._weight_degree() > RING_ABOVE else "whole")
         problems = static_problems(self.cfg, self.mesh, self.expert_axis, self.tensor_axis)
         problems += _layout.weight_axes_problems(self.mesh, weight_axes, self.cfg.emb_dim,
                                                  self.expert_axis, self.tensor_axis)
@@ -170,13 +176,9 @@ class ShardedRoutedMoE:
         jit cache; under an outer jit it is inlined)."""
         key = (axes.batch, axes.seq)
         if key not in self._fns:
-            def body(p, x):   # the router's kernel gathered; the experts': `_slices`
-                gate = _layout.gather(p["gate"], _layout.EMBED_DIMS["gate"],
-                                      self.weight_axes)
-                return self._block({**p, "gate": gate}, x, axes)
             self._fns[key] = jax.jit(_compat.shard_map(
-                body, mesh=self.mesh, in_specs=(self.param_specs(), axes.x_spec),
-                out_specs=axes.x_spec))
+                functools.partial(self._block, axes=axes), mesh=self.mesh,
+                in_specs=(self.param_specs(), axes.x_spec), out_specs=axes.x_spec))
         return self._fns[key]
 
     # ---- inside shard_map: one device's block ----
@@ -188,8 +190,9 @@ class ShardedRoutedMoE:
         return math.prod(self.mesh.shape.get(a, 1) for a in self.weight_axes)
 
     @property
-    def _slices(self) -> WeightSlices:
-        """How the expert matrices' slices of D come whole for their products."""
+    def weight_slices(self) -> WeightSlices:
+        """How the weights' slices of D come whole for their products (the router's small
+        kernel and the Qwen3-Next shared expert: `.whole`)."""
         if not self.weight_axes:
             return IN_PLACE
         return WeightSlices(self.weight_axes, self._weight_degree(),
@@ -206,13 +209,14 @@ class ShardedRoutedMoE:
                 x_TD = jax.lax.all_gather(x_TD, tp_axis, axis=0, tiled=True)
         reduce_axes = []
         if self._size(ep_axis) == 1:
-            y_TD = moe_tokens(x_TD, params, self.cfg, slices=self._slices)
+            y_TD = moe_tokens(x_TD, params, self.cfg, slices=self.weight_slices)
             if ep_axis is not None and ep_axis not in axes.all:
                 # One device along it moves no data, but the weights sharded over it make
                 # the result vary over it as shard_map types values: reduce it as below.
                 reduce_axes.append(ep_axis)
         else:
-            weights_TK, experts_TK = route(x_TD, params["gate"], self.cfg)
+            weights_TK, experts_TK = route(x_TD, params["gate"], self.cfg,
+                                           slices=self.weight_slices.whole)
             if ep_axis in axes.all:
                 y_TD = self._experts_all_to_all(x_TD, weights_TK, experts_TK, params)
             else:
@@ -241,7 +245,7 @@ class ShardedRoutedMoE:
             with jax.named_scope("moe/all_to_all"):
                 x_LND = a2a(x_ECD, 0, 1)  # [E/ep, ep*C, D]: my experts, every source
             y_LND = batched_swiglu(x_LND, params["wi_0"], params["wi_1"], params["wo"],
-                                   slices=self._slices)
+                                   slices=self.weight_slices)
             with jax.named_scope("moe/all_to_all"):
                 y_ECD = a2a(y_LND, 1, 0)
             return dense_combine(y_ECD, combine_TEC)
@@ -259,7 +263,7 @@ class ShardedRoutedMoE:
             recv_PCD, rids_PC = a2a(send_PCD, 0, 0), a2a(ids_PC, 0, 0)
         y_ND = grouped_swiglu(recv_PCD.reshape(ep * cap, D), rids_PC.reshape(ep * cap),
                               E_loc, params["wi_0"], params["wi_1"], params["wo"],
-                              slices=self._slices)
+                              slices=self.weight_slices)
         with jax.named_scope("moe/all_to_all"):
             back_PCD = a2a(y_ND.reshape(ep, cap, D), 0, 0)
         with jax.named_scope("moe/undispatch"):
@@ -278,11 +282,12 @@ class ShardedRoutedMoE:
                                                 cfg.num_experts, cfg.capacity(T))
             x_LCD = jax.lax.dynamic_slice_in_dim(x_ECD, first, E_loc, axis=0)
             y_LCD = batched_swiglu(x_LCD, params["wi_0"], params["wi_1"], params["wo"],
-                                   slices=self._slices)
+                                   slices=self.weight_slices)
             combine_TLC = jax.lax.dynamic_slice_in_dim(combine_TEC, first, E_loc, axis=1)
             return dense_combine(y_LCD, combine_TLC)
         local_M = experts_TK.reshape(T * K) - first
         local_M = jnp.where((local_M >= 0) & (local_M < E_loc), local_M, E_loc)
         y_MD = grouped_swiglu(x_TD, local_M, E_loc, params["wi_0"], params["wi_1"],
-                              params["wo"], source_M=jnp.arange(T * K) // K, slices=self._slices)
+                              params["wo"], source_M=jnp.arange(T * K) // K,
+                              slices=self.weight_slices)
         return combine_rows(y_MD, weights_TK)

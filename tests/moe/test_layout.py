@@ -28,7 +28,7 @@ CASES = {
     "cp4x2-dense": ((4, 2), DP_CP, P("data", "context"), {}, {"strategy": "dense"}, False),
     "cp1x8-sparse": ((1, 8), DP_CP, P("data", "context"), {}, {}, False),
     "ep-a2a-sparse": ((2, 2, 2), DP_CP + ("expert",), P(("data", "expert"), "context"),
-                      {"expert_axis": "expert"}, {}, False),
+                      {"expert_axis": "expert", "weight_gather": "ring"}, {}, False),
     "qwen-cp2x4-sparse": ((2, 4), DP_CP, P("data", "context"), {}, QWEN, True),
     "cp2x4-sparse-whole": ((2, 4), DP_CP, P("data", "context"), {"weight_gather": "whole"},
                            {}, False),
@@ -69,8 +69,10 @@ def test_every_all_gather_is_a_weights_gather(lib, case):
     assert routed.weight_gather == ("whole" if case.endswith("-whole") else "ring")
     moe_params = params["moe"] if "moe" in params else params
     travelling = len(EXPERT_MATRICES) if routed.weight_gather == "ring" else 0
-    # one gather per weight gathered whole
-    assert len(gathers) == len(jax.tree.leaves(params)) - travelling, gathers
+    # each weight gathered whole: for the forward pass and again for the backward pass,
+    # which XLA:CPU may merge (it drops the optimization barrier between them)
+    gathered_whole = len(jax.tree.leaves(params)) - travelling
+    assert gathered_whole <= len(gathers) <= 2 * gathered_whole, gathers
     assert all(c.cause == "weights" for c in gathers), [(c.id, c.cause) for c in gathers]
     assert {a for c in gathers for a in c.axes} == set(weight_axes)
     assert analysis.findings == ()
@@ -117,10 +119,11 @@ def test_defaults_follow_the_given_token_axes(lib):
     assert moe.ShardedRoutedMoE(cfg, mesh, seq_axes="context").weight_axes == ("context",)
     assert moe.ShardedRoutedMoE(cfg, mesh, weight_axes=()).param_specs()["wi_0"] == P(
         None, None, None)
-    # the ring where the weight axes hold more than 2 devices: with 2, the slice in hand
-    # and the one arriving are the whole matrix
+    # the ring where the weight axes hold more than 4 devices (8 here), else the whole
+    # gather (4: data x context; 2: context)
     gathers = lambda **kw: moe.ShardedRoutedMoE(cfg, mesh, **kw).weight_gather
     assert gathers() == "ring" and gathers(seq_axes="context") == "whole"
+    assert gathers(tensor_axis="tensor") == "whole"
     assert gathers(weight_axes=()) == "whole"
     assert gathers(seq_axes="context", weight_gather="ring") == "ring"
 

@@ -4,13 +4,14 @@ token axis sharded where the reference all-gathers it.
 Each case is (mesh, x sharding, layer keywords); one compiled vjp step per case serves
 both the numerics and the HLO assertions. The layer runs in its default, memory-lean
 layout (weights' embed dimension sharded over the token axes; the expert matrices' slices
-passed round those axes, the router kernel gathered) unless a case asks for
-`weight_gather="whole"` (every weight gathered whole inside the layer) or
+passed round those axes where they hold more than 4 devices, else gathered whole; the
+router kernel gathered) unless a case asks for `weight_gather="whole"` or `"ring"`, or
 `weight_axes=()` (weights whole on every token shard).
 """
 
 from __future__ import annotations
 
+import collections
 import re
 
 import jax
@@ -29,12 +30,12 @@ CASES = {
     "cp2x4": ((2, 4), DP_CP, P("data", "context"), {}),
     "cp4x2": ((4, 2), DP_CP, P("data", "context"), {}),
     "ep_a2a": ((2, 2, 2), DP_CP + ("expert",), P(("data", "expert"), "context"),
-               {"expert_axis": "expert"}),
+               {"expert_axis": "expert", "weight_gather": "ring"}),
     "ep_psum": ((2, 2, 2), DP_CP + ("expert",), P("data", "context"),
                 {"expert_axis": "expert"}),
     "tp": ((2, 2, 2), DP_CP + ("tensor",), P("data", "context"), {"tensor_axis": "tensor"}),
     "tp_seq_parallel": ((2, 2, 2), DP_CP + ("tensor",), P("data", ("context", "tensor")),
-                        {"tensor_axis": "tensor"}),
+                        {"tensor_axis": "tensor", "weight_gather": "ring"}),
     "ep_tp": ((2, 2, 2), ("context", "expert", "tensor"), P("expert", "context"),
               {"expert_axis": "expert", "tensor_axis": "tensor"}),
     # expert and tensor parallelism over the data x context axes themselves
@@ -50,7 +51,7 @@ CASES = {
     "ep_a2a_whole": ((2, 2, 2), DP_CP + ("expert",), P(("data", "expert"), "context"),
                      {"expert_axis": "expert", "weight_axes": ()}),
     # the expert matrices gathered whole in the layer instead of passed round the weight
-    # axes (the default ring, at more than 2 devices); and the ring at 2 devices
+    # axes (the default ring, at more than 4 devices); and the ring at 2 devices
     "cp2x4_gathered": ((2, 4), DP_CP, P("data", "context"), {"weight_gather": "whole"}),
     "ep_a2a_gathered": ((2, 2, 2), DP_CP + ("expert",), P(("data", "expert"), "context"),
                         {"expert_axis": "expert", "weight_gather": "whole"}),
@@ -179,17 +180,19 @@ def test_sharded_hlo_moves_no_activations(lib, case, strategy):
     kinds = {kind for kind, _ in found}
     allowed = {"all-reduce"} | ({"all-to-all"} if "expert_axis" in kwargs else set())
     if layer.weight_axes:
-        # one gather per weight gathered whole, on the whole-along-D shape (the backward
-        # pass gathers the expert matrices again, the same instruction in one layer's
-        # step, which XLA merges with the forward's); its gradient reduce-scattered.
-        # Under the ring, the expert matrices and their gradients move as one device's
-        # slice per collective-permute instead.
+        # each weight gathered whole on the whole-along-D shape, for the forward pass and
+        # again for the backward pass (behind an optimization barrier, which XLA:CPU may
+        # drop and then merge the two gathers); its gradient reduce-scattered. Under the
+        # ring, the expert matrices and their gradients move as one device's slice per
+        # collective-permute instead.
         travelling = ("wi_0", "wi_1", "wo") if layer.weight_gather == "ring" else ()
         allowed |= {"all-gather", "reduce-scatter"} | (
             {"collective-permute"} if travelling else set())
-        gathered = [dims[0] for kind, dims in found if kind == "all-gather"]
-        assert sorted(gathered) == sorted(_local(layer, k, w.shape, True)
-                                          for k, w in params.items() if k not in travelling), found
+        gathered = collections.Counter(dims[0] for kind, dims in found if kind == "all-gather")
+        weights_whole = collections.Counter(_local(layer, k, w.shape, True)
+                                            for k, w in params.items() if k not in travelling)
+        assert gathered.keys() == weights_whole.keys(), found
+        assert all(n <= gathered[s] <= 2 * n for s, n in weights_whole.items()), found
         assert "reduce-scatter" in kinds, found
         permuted = {dims[0] for kind, dims in found if kind == "collective-permute"}
         assert permuted == {_local(layer, k, params[k].shape) for k in travelling}, found
