@@ -172,7 +172,7 @@ def moe_tokens(x_TD: jax.Array, params: Params, cfg: MoeConfig, *,
     With tensor parallelism the expert weights hold a slice of F and the result is this
     slice's partial sum, which the caller reduces.
     """
-    weights_TK, experts_TK = route(x_TD, params["gate"], cfg, slices=slices.whole)
+    weights_TK, experts_TK = route(x_TD, params["gate"], cfg, slices=slices)
     if cfg.strategy == "sparse":
         return sparse_experts(x_TD, weights_TK, experts_TK, params, cfg.num_experts,
                               slices=slices)

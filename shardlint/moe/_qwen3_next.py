@@ -24,8 +24,8 @@ from jax.sharding import Mesh
 from . import _compat, _layout
 from ._config import MoeConfig
 from ._experts import Params, init_moe_params, normal_params, swiglu
-from ._ring import IN_PLACE, WeightSlices, matmul
 from ._reference import RoutedMoE
+from ._ring import IN_PLACE, WeightSlices, matmul
 from ._sharded import ShardedRoutedMoE
 
 
@@ -88,7 +88,7 @@ class Qwen3NextSparseMoeBlock:
         x_spec = self.routed.token_axes(x_BSD).x_spec
         specs = {k: v for k, v in self.param_specs().items() if k in shared}
         per_shard = _compat.shard_map(
-            functools.partial(_shared_expert, slices=self.routed.weight_slices.whole),
+            functools.partial(_shared_expert, slices=self.routed.weight_slices),
             mesh=self.mesh, in_specs=(specs, x_spec), out_specs=x_spec)
         return routed_BSD + per_shard(_layout.placed(shared, self.mesh, specs), x_BSD)
 
@@ -96,7 +96,9 @@ class Qwen3NextSparseMoeBlock:
 def _shared_expert(shared: Params, x_BSD: jax.Array, *,
                    slices: WeightSlices = IN_PLACE) -> jax.Array:
     """sigmoid(x @ gate) * SwiGLU(x): the shared expert's share of the output. `slices`:
-    the weights hold this device's slice of D and come whole as it says."""
+    the weights hold this device's slice of D; one dense matrix each, they are gathered
+    whole whatever schedule `slices` gives the routed experts."""
+    slices = slices.whole
     with jax.named_scope("moe/shared_expert"):
         w = shared["shared_expert"]
         shared_BSD = swiglu(x_BSD, w["wi_0"], w["wi_1"], w["wo"], slices=slices)

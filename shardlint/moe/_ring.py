@@ -35,7 +35,8 @@ The products are any bilinear map of (x, w): `jax.lax.ragged_dot` for the groupe
 an einsum for expert-batched slots, `matmul` for the router and the shared expert. Their
 transposes come from `jax.linear_transpose`, so neither schedule restates a product's
 gradient. The weights' last two dimensions are the product's contracted (K) and output
-(N) ones, as in `ragged_dot`'s [G, K, N]; D is K for a contraction and N for an expansion. On one device both are the plain product.
+(N) ones, as in `ragged_dot`'s [G, K, N]; D is K for a contraction and N for an
+expansion. On one device both are the plain product.
 """
 
 from __future__ import annotations

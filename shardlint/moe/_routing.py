@@ -24,10 +24,11 @@ def route(x_TD: jax.Array, w_gate_DE: jax.Array, cfg: MoeConfig, *,
       softmax_before_topk=True: softmax over all experts, top-k of the probabilities,
         optionally renormalised (norm_topk_prob);
       then the weights are scaled by routed_scaling_factor when it is set.
-    `slices`: the kernel holds this device's slice of D and comes whole as it says.
+    `slices`: the kernel holds this device's slice of D; it is small, so it is gathered
+    whole whatever schedule `slices` gives the expert matrices.
     """
     with jax.named_scope("moe/route"):
-        logits_TE = slices.contract(matmul, x_TD.astype(jnp.float32), w_gate_DE)
+        logits_TE = slices.whole.contract(matmul, x_TD.astype(jnp.float32), w_gate_DE)
         if cfg.softmax_before_topk:
             probs_TE = jax.nn.softmax(logits_TE, axis=-1)
             weights_TK, experts_TK = jax.lax.top_k(probs_TE, cfg.top_k)

@@ -191,8 +191,8 @@ class ShardedRoutedMoE:
 
     @property
     def weight_slices(self) -> WeightSlices:
-        """How the weights' slices of D come whole for their products (the router's small
-        kernel and the Qwen3-Next shared expert: `.whole`)."""
+        """How the weights' slices of D come whole for their products (the router's kernel
+        and the Qwen3-Next shared expert take `.whole` of it themselves)."""
         if not self.weight_axes:
             return IN_PLACE
         return WeightSlices(self.weight_axes, self._weight_degree(),
@@ -216,7 +216,7 @@ class ShardedRoutedMoE:
                 reduce_axes.append(ep_axis)
         else:
             weights_TK, experts_TK = route(x_TD, params["gate"], self.cfg,
-                                           slices=self.weight_slices.whole)
+                                           slices=self.weight_slices)
             if ep_axis in axes.all:
                 y_TD = self._experts_all_to_all(x_TD, weights_TK, experts_TK, params)
             else:
