@@ -145,7 +145,7 @@ def _layers(args, seq: int, cp: int, devices) -> dict[str, tuple[Any, tuple[Any,
                         mlp_dim=args.mlp, dtype=jnp.dtype(args.dtype))
     layer = moe.ShardedRoutedMoE(cfg, mesh, **_common.token_axes(x_spec),
                                  expert_axis=args.expert_axis,
-                                 weight_gather=args.weight_gather)
+                                 weight_gather=args.weight_gather or "whole")
     variant = _common.Variant(SHARDED, layer, jax.eval_shape(layer.init, jax.random.key(0)),
                               layer.param_specs())
     sharded_args = _common.abstract_args(variant, mesh, x_spec, x.shape, x.dtype)

@@ -3,12 +3,11 @@
 The memory-lean layout shards the weights' embed dimension D over the mesh axes that
 shard the tokens (fsdp, data, context), on top of the expert dimension over `expert_axis`
 and the hidden dimension over `tensor_axis`. Inside `shard_map` each layer gets its own
-weights whole over those axes for each product, by the schedule of `_ring`: gathered
-(`gather`: `jax.lax.all_gather(..., tiled=True)`), and gathered again for the backward
-pass, or passed round the weight axes (the expert matrices only). The gradients
-leave the layer sharded like the weights. No activation moves for it: the tokens stay
-where they are and the weights come to them (FSDP / ZeRO-3, as MaxText shards its
-experts' embed dimension over fsdp and context).
+weights whole over those axes for each product, by the schedule of `_ring`: gathered in
+pieces, and gathered again for the backward pass, or passed round the weight axes (the
+expert matrices only). The gradients leave the layer sharded like the weights. No
+activation moves for it: the tokens stay where they are and the weights come to them
+(FSDP / ZeRO-3, as MaxText shards its experts' embed dimension over fsdp and context).
 
 Every weight axis must also shard the tokens of the call: a shard that holds tokens
 replicated over a weight axis would compute the same partial gradient as its neighbours
@@ -96,14 +95,3 @@ def placed(params: Any, mesh: Mesh, specs: Any) -> Any:
     if AxisType.Explicit not in tuple(getattr(mesh, "axis_types", ())):
         return params
     return jax.reshard(params, to_shardings(mesh, specs))
-
-
-def gather(params: Any, embed_dims: Any, weight_axes: Sequence[str]) -> Any:
-    """Inside shard_map: every weight of the pytree whole along its D (`embed_dims`, a
-    pytree of the same structure); a no-op without weight axes."""
-    if not weight_axes:
-        return params
-    with jax.named_scope("moe/gather_weights"):
-        return jax.tree.map(
-            lambda w, dim: jax.lax.all_gather(w, tuple(weight_axes), axis=dim, tiled=True),
-            params, embed_dims)

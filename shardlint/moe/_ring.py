@@ -1,9 +1,30 @@
-"""Expert matmuls with weights sharded along D: gathered whole, or passed round a ring.
+"""Expert matmuls with weights sharded along D: gathered whole in pieces, or passed round a ring.
 
 In the memory-lean layout every device holds a 1/n slice of each expert matrix along the
-embed dimension D (n: the size of the weight axes). Gathering a layer's matrices whole
-puts all of them on every device at once (64 experts x 2048 x 1024 x 3 in bf16 is 768 MiB)
-and their full gradients too, until the reduce-scatter. The ring keeps one slice in hand:
+embed dimension D (n: the size of the weight axes). Gathering a layer's matrices whole at
+once puts all of them on every device (64 experts x 2048 x 1024 x 3 in bf16 is 768 MiB)
+and their full gradients too, until the reduce-scatter. Two schedules avoid that.
+
+The gathered one (`ring=False`) cuts every device's slice into `pieces` pieces along the
+weights' K and, one piece at a time in a loop, gathers the piece whole along D and adds
+its product with x's matching columns to the result (a sum over K, which is the product).
+The backward pass gathers each piece again, adds its share of the input gradient, and
+reduce-scatters its gradient to the piece's owners. In 2n pieces (`ShardedRoutedMoE`'s
+choice) a device holds, besides its own slice, a piece gathered whole and its gradient:
+1/n of a matrix together.
+  - Autodiff through a plain gather would save the gathered matrix for the backward pass,
+    so that a stack of layers without remat holds every layer's whole matrices from its
+    forward pass to its backward; here only the local slice is saved, as FSDP does.
+  - The backward pass takes the slice through an optimization barrier: without it XLA
+    sees the same gathers twice and keeps the forward's for the backward pass, which the
+    TPU compiler did for every layer of a Python loop of layers (temp 85 / 139 / 262 MB
+    for 1 / 2 / 4 layers against 51 / 47 / 77 MB with it; v5p, 4 chips, bf16, emb and
+    mlp 1024, 8 experts, seq 1024). XLA:CPU drops optimization barriers before its last
+    CSE pass and merges the two anyway.
+  - Pieces are gathered along a new leading dimension: gathered along D itself (a minor
+    dimension) the TPU compiler first re-laid out every device's whole slice.
+
+The ring (`ring=True`) keeps one slice in hand:
 
   forward   n steps; at each, multiply by the slice in hand, then pass it to the next
             device (`ppermute`); a contraction over D sums the partial products of the
@@ -14,22 +35,9 @@ and their full gradients too, until the reduce-scatter. The ring keeps one slice
             slice's owner with every device's contribution (a reduce-scatter done as it
             computes).
 
-Per device, the slice in hand and the one arriving (2/n of a matrix, and as much of its
-gradient) instead of the whole matrix and its whole gradient: less from n = 3 on in
-principle; at n = 2 they are the whole matrix. On the TPU compiler the whole gather
-measured less up to n = 4, so that is `ShardedRoutedMoE`'s default there.
-
-The other schedule (`ring=False`): all-gather the matrix for the product, and in the
-backward pass gather it again and reduce-scatter its gradient. Autodiff through a plain
-gather would save the gathered matrix for the backward pass, so that a stack of layers
-without remat holds every layer's whole matrices from its forward pass to its backward
-(measured: temp grew by the gathered matrices for every layer of a scan); here only the
-local slice is saved, as FSDP does. The backward pass gathers the slice as it comes out
-of an optimization barrier: without one XLA sees the same gather twice and keeps the
-forward's result for the backward pass, which the TPU compiler did for every layer of a
-Python loop of layers: temp 85 / 139 / 262 MB for 1 / 2 / 4 layers, against 51 / 47 /
-77 MB with the barrier (v5p, 4 chips, bf16, emb and mlp 1024, 8 experts, seq 1024). XLA:CPU
-drops optimization barriers before its last CSE pass and merges the two gathers anyway.
+Per device, the slice in hand and the one arriving: 2/n of a matrix, and as much of its
+gradient. On the TPU compiler (v5p, bf16, emb 2048, mlp 1024, 64 experts, seq 8192) the
+gathered schedule in 2n pieces measured less temp at 2, 4 and 8 devices.
 
 The products are any bilinear map of (x, w): `jax.lax.ragged_dot` for the grouped matmul,
 an einsum for expert-batched slots, `matmul` for the router and the shared expert. Their
@@ -43,13 +51,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _layout
 
 # bilinear in (activations, weights); `aux`: integer operands it needs (group sizes)
 Product = Callable[[jax.Array, Any, tuple], Any]
@@ -57,18 +65,21 @@ Product = Callable[[jax.Array, Any, tuple], Any]
 
 @dataclasses.dataclass(frozen=True)
 class WeightSlices:
-    """The mesh axes whose devices hold the slices of D, in the order `all_gather` tiles
+    """The mesh axes whose devices hold the slices of D, in the order `all_gather` stacks
     them, how many devices there are, and the schedule: passed round the ring (`ring`),
-    or gathered whole. On one device (`IN_PLACE`) the product is multiplied in place."""
+    or gathered whole in `pieces` pieces along K (fewer where that many do not divide a
+    weight's K). On one device (`IN_PLACE`) the product is multiplied in place."""
 
     axes: tuple[str, ...]
     size: int
     ring: bool
+    pieces: int = 1
 
     @property
     def whole(self) -> WeightSlices:
-        """The same slices gathered whole (for weights too small to be worth a ring)."""
-        return dataclasses.replace(self, ring=False)
+        """The same slices gathered whole in one piece (for weights too small to be worth
+        a ring or a loop)."""
+        return dataclasses.replace(self, ring=False, pieces=1)
 
     def contract(self, product: Product, x: jax.Array, w: Any, aux: tuple = ()) -> Any:
         """`product(x, w_whole, aux)` for a product that contracts x's last dimension (D)
@@ -76,7 +87,7 @@ class WeightSlices:
         if self.size == 1:
             return product(x, w, aux)
         if not self.ring:
-            return _gathered(product, -2, self.axes, x, w, aux)
+            return _gathered(product, -2, self.axes, _pieces(w, self.pieces), x, w, aux)
         d = x.shape[-1] // self.size
 
         def term(x, w, c, aux):
@@ -89,7 +100,7 @@ class WeightSlices:
         if self.size == 1:
             return product(x, w, aux)
         if not self.ring:
-            return _gathered(product, -1, self.axes, x, w, aux)
+            return _gathered(product, -1, self.axes, _pieces(w, self.pieces), x, w, aux)
 
         def term(x, w, c, aux):
             y = product(x, w, aux)
@@ -174,28 +185,107 @@ _ring.defvjp(_ring_fwd, _ring_bwd)
 
 
 def _whole(w: Any, dim: int, axes: tuple[str, ...]) -> Any:
-    """Every weight of `w` gathered whole along its dimension `dim` (from the end)."""
-    return _layout.gather(w, jax.tree.map(lambda v: v.ndim + dim, w), axes)
+    """Every weight of `w` gathered whole along its dimension `dim` (from the end).
+
+    Gathered along a new leading dimension, then moved to `dim`: a gather along a minor
+    dimension made the TPU compiler re-lay out each device's whole slice in memory
+    first (a copy of the slice per matrix, measured), a leading one does not."""
+    def one(v: jax.Array) -> jax.Array:
+        stacked = jax.lax.all_gather(v, axes, axis=0, tiled=False)
+        d = v.ndim + dim
+        return jnp.moveaxis(stacked, 0, d).reshape(v.shape[:d] + (-1,) + v.shape[d + 1:])
+    with jax.named_scope("moe/gather_weights"):
+        return jax.tree.map(one, w)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _gathered(product, dim, axes, x, w, aux):
-    """product(x, w gathered whole along its dimension `dim`, aux)."""
-    return product(x, _whole(w, dim, axes), aux)
+def _sum_scattered(g: jax.Array, dim: int, axes: tuple[str, ...]) -> jax.Array:
+    """The sum over devices of g, each device keeping its slice along `dim` (from the
+    end): `_whole`'s transpose, its blocks moved to the front the same way."""
+    d = g.ndim + dim
+    blocks = g.reshape(g.shape[:d] + (_devices(axes), -1) + g.shape[d + 1:])
+    return jax.lax.psum_scatter(jnp.moveaxis(blocks, d, 0), axes, scatter_dimension=0)
 
 
-def _gathered_fwd(product, dim, axes, x, w, aux):
-    return _gathered(product, dim, axes, x, w, aux), (x, w, aux)
+def _devices(axes: tuple[str, ...]) -> int:
+    return jax.lax.psum(1, axes)
 
 
-def _gathered_bwd(product, dim, axes, residuals, ct):
-    """Gather the matrix again; its whole gradient leaves reduce-scattered to the slice."""
+def _piece(v: Any, c: Any, count: int, dim: int) -> Any:
+    """Piece c of `count` equal pieces of every array of `v` along `dim` (from the end)."""
+    return jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(
+        a, c * (a.shape[dim] // count), a.shape[dim] // count, axis=a.ndim + dim), v)
+
+
+def _put(total: Any, part: Any, c: Any, dim: int) -> Any:
+    """`total` with piece c along `dim` (from the end) replaced by `part`."""
+    return jax.tree.map(lambda t, p: jax.lax.dynamic_update_slice_in_dim(
+        t, p, c * p.shape[dim], axis=t.ndim + dim), total, part)
+
+
+def _columns(x: jax.Array, c: Any, pieces: int, blocks: int) -> jax.Array:
+    """The columns of x that meet piece c of the weights' K gathered whole: x's last
+    dimension in `blocks` blocks (one per device's slice when K is D, else one), piece c
+    of each."""
+    blocked = x.reshape(x.shape[:-1] + (blocks, -1))
+    return _piece(blocked, c, pieces, -1).reshape(x.shape[:-1] + (-1,))
+
+
+def _put_columns(x: jax.Array, part: jax.Array, c: Any, blocks: int) -> jax.Array:
+    """x with the columns that `_columns(x, c, ...)` takes replaced by `part`."""
+    blocked = x.reshape(x.shape[:-1] + (blocks, -1))
+    part = part.reshape(x.shape[:-1] + (blocks, -1))
+    return _put(blocked, part, c, -1).reshape(x.shape)
+
+
+def _over_pieces(step: Callable[[Any, Any], Any], init: Any, pieces: int) -> Any:
+    """`step(c, carry)` for c = 0 .. pieces - 1, in a loop after the first (whose result
+    has the types the loop carries: varying over the mesh axes as the steps make it)."""
+    first = step(0, init)
+    return jax.lax.fori_loop(1, pieces, step, first) if pieces > 1 else first
+
+
+def _pieces(w: Any, pieces: int) -> int:
+    """`pieces`, or the largest count below it that divides every weight's K."""
+    return math.gcd(pieces, *(v.shape[-2] for v in jax.tree.leaves(w)))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
+def _gathered(product, dim, axes, pieces, x, w, aux):
+    """product(x, w gathered whole along its dimension `dim`, aux): the sum over pieces c
+    of the weights' K (every device's slice in `pieces` pieces) of x's matching columns
+    times piece c gathered whole."""
+    blocks = _devices(axes) if dim == -2 else 1
+
+    def step(c, y):
+        whole_c = _whole(_piece(w, c, pieces, -2), dim, axes)
+        return _add(y, product(_columns(x, c, pieces, blocks), whole_c, aux))
+
+    y = jax.eval_shape(product, x, _whole(w, dim, axes), aux)
+    return _over_pieces(step, jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), y), pieces)
+
+
+def _gathered_fwd(product, dim, axes, pieces, x, w, aux):
+    return _gathered(product, dim, axes, pieces, x, w, aux), (x, w, aux)
+
+
+def _gathered_bwd(product, dim, axes, pieces, residuals, ct):
+    """Gather the matrix again, piece by piece; each piece's gradient leaves summed over
+    the devices and scattered to their slices."""
     x, w, aux = residuals
-    whole = _whole(jax.lax.optimization_barrier(w), dim, axes)   # again, not the forward's
-    dx = jax.linear_transpose(lambda v: product(v, whole, aux), x)(ct)[0]
-    dwhole = jax.linear_transpose(lambda v: product(x, v, aux), whole)(ct)[0]
-    dw = jax.tree.map(lambda g: jax.lax.psum_scatter(
-        g, axes, scatter_dimension=g.ndim + dim, tiled=True), dwhole)
+    blocks = _devices(axes) if dim == -2 else 1
+    w = jax.lax.optimization_barrier(w)   # gathered again, not the forward's
+
+    def step(c, grads):
+        dx, dw = grads
+        whole_c = _whole(_piece(w, c, pieces, -2), dim, axes)
+        x_c = _columns(x, c, pieces, blocks)
+        dx_c = jax.linear_transpose(lambda v: product(v, whole_c, aux), x_c)(ct)[0]
+        dwhole_c = jax.linear_transpose(lambda v: product(x_c, v, aux), whole_c)(ct)[0]
+        dw_c = jax.tree.map(lambda g: _sum_scattered(g, dim, axes), dwhole_c)
+        return _put_columns(dx, dx_c, c, blocks), _put(dw, dw_c, c, -2)
+
+    init = (jnp.zeros_like(x), jax.tree.map(jnp.zeros_like, w))
+    dx, dw = _over_pieces(step, init, pieces)
     return dx, dw, jax.tree.map(_no_gradient, aux)
 
 

@@ -21,9 +21,9 @@ only where a parallelism needs it:
     psum-scattered back.
   weights sharded over the token axes (`weight_axes`, D sharded; see `_layout`): the
     router's kernel is all-gathered for its product and again for its gradient, which is
-    reduce-scattered; so is each expert matrix (`weight_gather="whole"`), or its slices
-    pass round the weight axes one at a time, so that only a slice of each is ever in
-    hand (`"ring"`); see `_ring`.
+    reduce-scattered; so is each expert matrix, a piece at a time
+    (`weight_gather="whole"`), or its slices pass round the weight axes one at a time
+    (`"ring"`); see `_ring`.
 
 Dense strategy: capacity is per *local* token group (the block a device routes, after
 the sequence-parallel gather if any), so this equals the reference only when the capacity
@@ -54,11 +54,12 @@ from ._routing import route
 
 _PARAM_KEYS = tuple(_layout.EMBED_DIMS)
 WEIGHT_GATHERS = ("whole", "ring")
-# The default passes the expert matrices round the weight axes when they hold more devices
-# than this. Measured on the TPU compiler (v5p, bf16, emb 2048, mlp 1024, 64 experts, seq
-# 8192; benchmarks/moe_vs_maxtext.py): temp per chip gathered / ring 0.95 / 1.88 GiB on 2
-# devices, 0.66 / 0.85 on 4, 0.74 / 0.42 on 8.
-RING_ABOVE = 4
+# The whole gather takes each expert matrix in this many pieces per weight device, one at a
+# time: a piece gathered whole and its gradient are together the size of a device's own
+# slice. Measured on the TPU compiler (v5p, bf16, emb 2048, mlp 1024, 64 experts, seq 8192;
+# benchmarks/moe_vs_maxtext.py), temp per chip on 2 / 4 / 8 weight devices: in one piece
+# 1.07 / 0.85 GiB, in 2n pieces 0.92 / 0.46 / 0.25, the ring 1.88 / 0.85 / 0.42.
+PIECES_PER_DEVICE = 2
 
 
 def _axes_arg(value: str | Sequence[str] | None) -> tuple[str, ...] | None:
@@ -96,16 +97,16 @@ class ShardedRoutedMoE:
     `param_specs()` gives the PartitionSpecs of that layout, `param_shardings()` the same
     as NamedShardings on the mesh (put `init`'s params there).
 
-    `weight_gather`: how a shard gets the expert matrices whole along D. `"whole"`:
-    all-gathered for the product, one layer's matrices at a time, gathered again for the
-    backward pass (so a stack of layers keeps no layer's whole matrices between the two)
-    and their gradients reduce-scattered. `"ring"`: their slices pass from device to
-    device round the weight axes while the grouped matmuls run on the slice in hand, and
-    the gradients' slices travel back to their owners the same way (`_ring`); a device
-    holds the slice in hand and the one arriving, 2/n of a matrix, instead of the whole
-    matrix and its whole gradient. None (default): the ring where the weight axes hold
-    more than 4 devices, else the whole gather (what measured less on the TPU compiler;
-    see `RING_ABOVE`). The router's small kernel is gathered whole either way.
+    `weight_gather`: how a shard gets the expert matrices whole along D. `"whole"`
+    (default): all-gathered for the products in 2n pieces (n: the weight devices), one
+    piece at a time, gathered again for the backward pass (so a stack of layers keeps no
+    layer's whole matrices between the two) and each piece's gradient reduce-scattered;
+    a device holds a piece and its gradient, 1/n of a matrix, besides its own slice (see
+    `PIECES_PER_DEVICE`). `"ring"`: their slices pass from device to device round the
+    weight axes while the grouped matmuls run on the slice in hand, and the gradients'
+    slices travel back to their owners the same way (`_ring`); 2/n of a matrix and as
+    much of its gradient. The whole gather measured less on the TPU compiler at 2, 4
+    and 8 devices. The router's small kernel is gathered whole, in one piece, either way.
     """
 
     cfg: MoeConfig
@@ -115,7 +116,7 @@ class ShardedRoutedMoE:
     expert_axis: str | None = dataclasses.field(default=None, kw_only=True)
     tensor_axis: str | None = dataclasses.field(default=None, kw_only=True)
     weight_axes: str | Sequence[str] | None = dataclasses.field(default=None, kw_only=True)
-    weight_gather: str | None = dataclasses.field(default=None, kw_only=True)
+    weight_gather: str = dataclasses.field(default="whole", kw_only=True)
     _fns: dict = dataclasses.field(default_factory=dict, init=False, repr=False,
                                    compare=False, hash=False)
 
@@ -129,9 +130,6 @@ class ShardedRoutedMoE:
             weight_axes = _layout.default_weight_axes(self.mesh, given, self.expert_axis,
                                                       self.tensor_axis)
         object.__setattr__(self, "weight_axes", weight_axes)
-        if self.weight_gather is None:
-            object.__setattr__(self, "weight_gather",
-                               "ring" if self._weight_degree() > RING_ABOVE else "whole")
         problems = static_problems(self.cfg, self.mesh, self.expert_axis, self.tensor_axis)
         problems += _layout.weight_axes_problems(self.mesh, weight_axes, self.cfg.emb_dim,
                                                  self.expert_axis, self.tensor_axis)
@@ -196,7 +194,8 @@ class ShardedRoutedMoE:
         if not self.weight_axes:
             return IN_PLACE
         return WeightSlices(self.weight_axes, self._weight_degree(),
-                            ring=self.weight_gather == "ring")
+                            ring=self.weight_gather == "ring",
+                            pieces=PIECES_PER_DEVICE * self._weight_degree())
 
     def _block(self, params: Params, x_bsD: jax.Array, axes: TokenAxes) -> jax.Array:
         b, s, D = x_bsD.shape

@@ -1,7 +1,8 @@
-"""The weight ring (`shardlint.moe._ring`): its products equal the product with the whole
-weights, gradients included, on rings of 2, 4 and 8 devices; and the layer that uses it
-by default computes the reference's numbers inside `lax.scan` under `jax.checkpoint`, as
-a scanned stack of layers is written."""
+"""The schedules of `shardlint.moe._ring`: the weight ring's products, and the whole
+gather's in one piece or in 2n pieces, equal the product with the whole weights,
+gradients included, on 2, 4 and 8 devices; and the layer computes the reference's numbers
+with either inside `lax.scan` under `jax.checkpoint`, as a scanned stack of layers is
+written."""
 
 from __future__ import annotations
 
@@ -27,9 +28,16 @@ def _expanding(x, w, aux):
     return jnp.einsum("tn,nd->td", x, w)
 
 
+SCHEDULES = {"ring": lambda n: dict(ring=True),
+             "one-piece": lambda n: dict(ring=False),
+             "pieces": lambda n: dict(ring=False, pieces=2 * n)}
+
+
 @pytest.mark.parametrize("ring_size", [2, 4, 8])
 @pytest.mark.parametrize("kind", ["contract", "expand"])
-def test_ring_equals_the_whole_product_with_its_gradients(moe_testlib, ring_size, kind):
+@pytest.mark.parametrize("schedule", sorted(SCHEDULES))
+def test_schedule_equals_the_whole_product_with_its_gradients(moe_testlib, ring_size, kind,
+                                                              schedule):
     mesh = moe_testlib.make_mesh((8 // ring_size, ring_size), ("other", "ring"))
     kx, kw, kr = jax.random.split(jax.random.key(0), 3)
     contract = kind == "contract"
@@ -43,7 +51,7 @@ def test_ring_equals_the_whole_product_with_its_gradients(moe_testlib, ring_size
     rows = P(("other", "ring"), None)
 
     def per_shard(x, w):
-        ring = WeightSlices(("ring",), ring_size, ring=True)
+        ring = WeightSlices(("ring",), ring_size, **SCHEDULES[schedule](ring_size))
         return (ring.contract if contract else ring.expand)(product, x, w)
 
     ringed = shard_map(per_shard, mesh=mesh, in_specs=(rows, w_spec), out_specs=rows,
@@ -57,16 +65,17 @@ def test_ring_equals_the_whole_product_with_its_gradients(moe_testlib, ring_size
         np.testing.assert_allclose(np.asarray(g), np.asarray(e), rtol=1e-5, atol=1e-5)
 
 
-def test_ring_layer_in_a_remat_scan_equals_the_reference(moe_testlib):
+@pytest.mark.parametrize("gather", ["whole", "ring"])
+def test_layer_in_a_remat_scan_equals_the_reference(moe_testlib, gather):
     """Three stacked layers under `lax.scan(jax.checkpoint(...))`: loss and every
-    gradient of ShardedRoutedMoE (the ring, by default on 8 weight devices) equal
-    RoutedMoE's."""
+    gradient of ShardedRoutedMoE (on 8 weight devices, the matrices gathered in 16
+    pieces or passed round the ring) equal RoutedMoE's."""
     lib = moe_testlib
     mesh = lib.make_mesh((2, 4), ("data", "context"))
     cfg = lib.config()
     ref = moe.RoutedMoE(cfg)
-    fast = moe.ShardedRoutedMoE(cfg, mesh, batch_axes="data", seq_axes="context")
-    assert fast.weight_gather == "ring"
+    fast = moe.ShardedRoutedMoE(cfg, mesh, batch_axes="data", seq_axes="context",
+                                weight_gather=gather)
     params = jax.vmap(ref.init)(jax.random.split(jax.random.key(0), 3))
     x, _ = lib.activations()
 

@@ -3,15 +3,16 @@ token axis sharded where the reference all-gathers it.
 
 Each case is (mesh, x sharding, layer keywords); one compiled vjp step per case serves
 both the numerics and the HLO assertions. The layer runs in its default, memory-lean
-layout (weights' embed dimension sharded over the token axes; the expert matrices' slices
-passed round those axes where they hold more than 4 devices, else gathered whole; the
-router kernel gathered) unless a case asks for `weight_gather="whole"` or `"ring"`, or
+layout (weights' embed dimension sharded over the token axes; the expert matrices gathered
+whole along it in pieces, the router kernel in one) unless a case asks for
+`weight_gather="ring"` (the expert matrices' slices passed round those axes) or
 `weight_axes=()` (weights whole on every token shard).
 """
 
 from __future__ import annotations
 
 import collections
+import math
 import re
 
 import jax
@@ -30,12 +31,12 @@ CASES = {
     "cp2x4": ((2, 4), DP_CP, P("data", "context"), {}),
     "cp4x2": ((4, 2), DP_CP, P("data", "context"), {}),
     "ep_a2a": ((2, 2, 2), DP_CP + ("expert",), P(("data", "expert"), "context"),
-               {"expert_axis": "expert", "weight_gather": "ring"}),
+               {"expert_axis": "expert"}),
     "ep_psum": ((2, 2, 2), DP_CP + ("expert",), P("data", "context"),
                 {"expert_axis": "expert"}),
     "tp": ((2, 2, 2), DP_CP + ("tensor",), P("data", "context"), {"tensor_axis": "tensor"}),
     "tp_seq_parallel": ((2, 2, 2), DP_CP + ("tensor",), P("data", ("context", "tensor")),
-                        {"tensor_axis": "tensor", "weight_gather": "ring"}),
+                        {"tensor_axis": "tensor"}),
     "ep_tp": ((2, 2, 2), ("context", "expert", "tensor"), P("expert", "context"),
               {"expert_axis": "expert", "tensor_axis": "tensor"}),
     # expert and tensor parallelism over the data x context axes themselves
@@ -50,13 +51,12 @@ CASES = {
     "cp2x4_whole": ((2, 4), DP_CP, P("data", "context"), {"weight_axes": ()}),
     "ep_a2a_whole": ((2, 2, 2), DP_CP + ("expert",), P(("data", "expert"), "context"),
                      {"expert_axis": "expert", "weight_axes": ()}),
-    # the expert matrices gathered whole in the layer instead of passed round the weight
-    # axes (the default ring, at more than 4 devices); and the ring at 2 devices
-    "cp2x4_gathered": ((2, 4), DP_CP, P("data", "context"), {"weight_gather": "whole"}),
-    "ep_a2a_gathered": ((2, 2, 2), DP_CP + ("expert",), P(("data", "expert"), "context"),
-                        {"expert_axis": "expert", "weight_gather": "whole"}),
-    "tp_seq_parallel_gathered": ((2, 2, 2), DP_CP + ("tensor",), P("data", ("context", "tensor")),
-                                 {"tensor_axis": "tensor", "weight_gather": "whole"}),
+    # the expert matrices' slices passed round the weight axes instead of gathered whole
+    "cp2x4_ring": ((2, 4), DP_CP, P("data", "context"), {"weight_gather": "ring"}),
+    "ep_a2a_ring": ((2, 2, 2), DP_CP + ("expert",), P(("data", "expert"), "context"),
+                    {"expert_axis": "expert", "weight_gather": "ring"}),
+    "tp_seq_parallel_ring": ((2, 2, 2), DP_CP + ("tensor",), P("data", ("context", "tensor")),
+                             {"tensor_axis": "tensor", "weight_gather": "ring"}),
     "cp4x2_ring_context": ((4, 2), DP_CP, P("data", "context"),
                            {"weight_gather": "ring", "weight_axes": "context"}),
 }
@@ -145,24 +145,37 @@ def collectives(hlo: str) -> list[tuple[str, list[tuple[int, ...]]]]:
     return found
 
 
-def _local(layer, name, shape, whole_embed=False) -> tuple[int, ...]:
-    """Per-device shape of a weight (with its embed dimension whole: as gathered)."""
+def _local(layer, name, shape) -> tuple[int, ...]:
+    """Per-device shape of a weight."""
     spec = tuple(layer.param_specs()[name]) + (None,) * len(shape)
     degree = lambda entry: int(np.prod([layer.mesh.shape[a] for a in as_axes(entry)]))
-    return tuple(n if (whole_embed and d == EMBED_DIMS[name]) else n // degree(spec[d])
-                 for d, n in enumerate(shape))
+    return tuple(n // degree(spec[d]) for d, n in enumerate(shape))
 
 
-def _weight_shapes(layer, params, whole_embed=False) -> set[tuple[int, ...]]:
-    """Global and per-device shapes of the weights (their gradients' reductions), or the
-    per-device shapes with the embed dimension whole (their gathers)."""
-    if whole_embed:
-        return {_local(layer, k, w.shape, True) for k, w in params.items()}
+def _pieces(layer, name, shape) -> tuple[int, tuple[int, ...], set[tuple[int, ...]]]:
+    """How a weight gathered whole comes: in how many pieces (the expert matrices in 2 per
+    weight device, or fewer where that does not divide their K; the router kernel in one),
+    the gather's result (each device's piece of its slice, stacked over the n devices),
+    and the shapes its gradient's piece is reduced on: whole along D (shard_map's psum of
+    a gathered value's gradient over its own device) and reduce-scattered (one device's
+    piece, before its stacking dim is dropped)."""
+    local = _local(layer, name, shape)
+    n = layer.weight_slices.size
+    pieces = 1 if name == "gate" else math.gcd(2 * n, local[-2])
+    piece = local[:-2] + (local[-2] // pieces, local[-1])
+    whole = tuple(d * n if i == EMBED_DIMS[name] else d for i, d in enumerate(piece))
+    return pieces, (n,) + piece, {whole, (1,) + piece}
+
+
+def _weight_shapes(layer, params) -> set[tuple[int, ...]]:
+    """Global and per-device shapes of the weights and of their gradients' pieces (their
+    gradients' reductions)."""
     return {()} | {tuple(w.shape) for w in params.values()} | {
-        _local(layer, k, w.shape) for k, w in params.items()}
+        _local(layer, k, w.shape) for k, w in params.items()} | set().union(
+        *(_pieces(layer, k, w.shape)[2] for k, w in params.items()))
 
 
-HLO_CASES = ["cp2x4", "cp1x8", "ep_a2a", "cp2x4_gathered", "ep_a2a_gathered", "cp2x4_whole",
+HLO_CASES = ["cp2x4", "cp1x8", "ep_a2a", "cp2x4_ring", "ep_a2a_ring", "cp2x4_whole",
              "ep_a2a_whole"]
 
 
@@ -180,19 +193,22 @@ def test_sharded_hlo_moves_no_activations(lib, case, strategy):
     kinds = {kind for kind, _ in found}
     allowed = {"all-reduce"} | ({"all-to-all"} if "expert_axis" in kwargs else set())
     if layer.weight_axes:
-        # each weight gathered whole on the whole-along-D shape, for the forward pass and
-        # again for the backward pass (behind an optimization barrier, which XLA:CPU may
-        # drop and then merge the two gathers); its gradient reduce-scattered. Under the
-        # ring, the expert matrices and their gradients move as one device's slice per
+        # each weight gathered whole piece by piece, for the forward pass and again for
+        # the backward pass (behind an optimization barrier, which XLA:CPU may drop and
+        # then merge the two passes' first pieces), in a loop after the first piece when
+        # there is more than one; each piece's gradient reduce-scattered. Under the ring,
+        # the expert matrices and their gradients move as one device's slice per
         # collective-permute instead.
         travelling = ("wi_0", "wi_1", "wo") if layer.weight_gather == "ring" else ()
         allowed |= {"all-gather", "reduce-scatter"} | (
             {"collective-permute"} if travelling else set())
         gathered = collections.Counter(dims[0] for kind, dims in found if kind == "all-gather")
-        weights_whole = collections.Counter(_local(layer, k, w.shape, True)
-                                            for k, w in params.items() if k not in travelling)
-        assert gathered.keys() == weights_whole.keys(), found
-        assert all(n <= gathered[s] <= 2 * n for s, n in weights_whole.items()), found
+        pieces = [_pieces(layer, k, w.shape) for k, w in params.items() if k not in travelling]
+        at_most = collections.Counter()
+        for count, piece, _ in pieces:
+            at_most[piece] += 2 if count == 1 else 4
+        assert gathered.keys() == at_most.keys(), found
+        assert all(gathered[s] <= n for s, n in at_most.items()), found
         assert "reduce-scatter" in kinds, found
         permuted = {dims[0] for kind, dims in found if kind == "collective-permute"}
         assert permuted == {_local(layer, k, params[k].shape) for k in travelling}, found
