@@ -1,8 +1,9 @@
 """Shared set-up of the MoE benchmarks: sizes, meshes and the layers compared.
 
 They are the reference RoutedMoE (flattens globally: loses the sequence sharding),
-ShardedRoutedMoE (flattens per shard) in its default layout and with every weight
-gathered whole, and the usual workaround, a dense SwiGLU MLP of the same active FLOPs
+ShardedRoutedMoE (flattens per shard) in its default layout (the expert matrices gathered
+in pieces) and with their slices passed round the weight axes (the ring), and the usual
+workaround, a dense SwiGLU MLP of the same active FLOPs
 (hidden = top_k * mlp_dim), which keeps the sharding but drops routing.
 Each is measured as a training step: value_and_grad of a scalar loss over params and x.
 The scripts set `jax_num_cpu_devices` before importing this module.
@@ -37,7 +38,7 @@ X_SPEC = P(None, "context", None)
 X_SPEC_BATCH_OVER_DATA = P("data", "context", None)
 # ShardedRoutedMoE with every weight gathered whole in the layer, beside its default (the
 # expert matrices passed round the weight axes where those hold more than 4 devices)
-GATHERED = "ShardedRoutedMoE (gathered)"
+RING = "ShardedRoutedMoE (ring)"
 
 
 def token_axes(x_spec: P) -> dict[str, tuple[str, ...]]:
@@ -81,7 +82,7 @@ def variants(cfg: moe.MoeConfig, mesh: jax.sharding.Mesh, x_spec: P) -> list[Var
     moe_params = moe.init_moe_params(key, cfg)
     replicated = jax.tree.map(lambda _: P(), moe_params)
     sharded = moe.ShardedRoutedMoE(cfg, mesh, **token_axes(x_spec))
-    gathered = moe.ShardedRoutedMoE(cfg, mesh, **token_axes(x_spec), weight_gather="whole")
+    ring = moe.ShardedRoutedMoE(cfg, mesh, **token_axes(x_spec), weight_gather="ring")
     D, H = cfg.emb_dim, cfg.top_k * cfg.mlp_dim
     mlp_params = normal_params(key, {"wi_0": ((D, H), D), "wi_1": ((D, H), D),
                                      "wo": ((H, D), H)}, cfg.dtype)
@@ -89,7 +90,7 @@ def variants(cfg: moe.MoeConfig, mesh: jax.sharding.Mesh, x_spec: P) -> list[Var
     return [
         Variant("RoutedMoE (reference)", moe.RoutedMoE(cfg), moe_params, replicated),
         Variant("ShardedRoutedMoE", sharded, moe_params, sharded.param_specs()),
-        Variant(GATHERED, gathered, moe_params, gathered.param_specs()),
+        Variant(RING, ring, moe_params, ring.param_specs()),
         Variant(f"dense MLP (hidden {H})", mlp, mlp_params,
                 jax.tree.map(lambda _: P(), mlp_params)),
     ]

@@ -62,10 +62,9 @@ def _parse() -> argparse.Namespace:
                         "that token axis and tokens moved by all-to-all, instead of the "
                         "default layout's weights gathered in the layer)")
     p.add_argument("--weight-gather", default=None, choices=("whole", "ring"),
-                   help="ShardedRoutedMoE's weight_gather (default: the layer's own choice, "
-                        "the ring where the weight axes hold more than 4 devices): its expert "
-                        "matrices gathered whole in the layer, or their slices passed round "
-                        "the weight axes")
+                   help="ShardedRoutedMoE's weight_gather (default: whole): its expert "
+                        "matrices gathered whole in the layer, in pieces, or their slices "
+                        "passed round the weight axes")
     args = p.parse_args()
     base = dict(CPU_SIZES)
     if args.topology:
