@@ -81,13 +81,24 @@ class WeightSlices:
         a ring or a loop)."""
         return dataclasses.replace(self, ring=False, pieces=1)
 
+    def _fitted(self, w: Any) -> WeightSlices:
+        """These slices in `pieces` pieces, or the largest count below it that divides
+        every weight's K."""
+        pieces = math.gcd(self.pieces, *(v.shape[-2] for v in jax.tree.leaves(w)))
+        return dataclasses.replace(self, pieces=pieces)
+
+    def blocks(self, dim: int) -> int:
+        """How many devices' slices make up the weights' K: all of them when K is D
+        (`dim` -2), else one."""
+        return self.size if dim == -2 else 1
+
     def contract(self, product: Product, x: jax.Array, w: Any, aux: tuple = ()) -> Any:
         """`product(x, w_whole, aux)` for a product that contracts x's last dimension (D)
         with the weights' K = D, each device holding its slice of D in `w`."""
         if self.size == 1:
             return product(x, w, aux)
         if not self.ring:
-            return _gathered(product, -2, self.axes, _pieces(w, self.pieces), x, w, aux)
+            return _gathered(product, -2, self._fitted(w), x, w, aux)
         d = x.shape[-1] // self.size
 
         def term(x, w, c, aux):
@@ -100,7 +111,7 @@ class WeightSlices:
         if self.size == 1:
             return product(x, w, aux)
         if not self.ring:
-            return _gathered(product, -1, self.axes, _pieces(w, self.pieces), x, w, aux)
+            return _gathered(product, -1, self._fitted(w), x, w, aux)
 
         def term(x, w, c, aux):
             y = product(x, w, aux)
@@ -198,16 +209,12 @@ def _whole(w: Any, dim: int, axes: tuple[str, ...]) -> Any:
         return jax.tree.map(one, w)
 
 
-def _sum_scattered(g: jax.Array, dim: int, axes: tuple[str, ...]) -> jax.Array:
+def _sum_scattered(g: jax.Array, dim: int, slices: WeightSlices) -> jax.Array:
     """The sum over devices of g, each device keeping its slice along `dim` (from the
     end): `_whole`'s transpose, its blocks moved to the front the same way."""
     d = g.ndim + dim
-    blocks = g.reshape(g.shape[:d] + (_devices(axes), -1) + g.shape[d + 1:])
-    return jax.lax.psum_scatter(jnp.moveaxis(blocks, d, 0), axes, scatter_dimension=0)
-
-
-def _devices(axes: tuple[str, ...]) -> int:
-    return jax.lax.psum(1, axes)
+    blocks = g.reshape(g.shape[:d] + (slices.size, -1) + g.shape[d + 1:])
+    return jax.lax.psum_scatter(jnp.moveaxis(blocks, d, 0), slices.axes, scatter_dimension=0)
 
 
 def _piece(v: Any, c: Any, count: int, dim: int) -> Any:
@@ -244,44 +251,39 @@ def _over_pieces(step: Callable[[Any, Any], Any], init: Any, pieces: int) -> Any
     return jax.lax.fori_loop(1, pieces, step, first) if pieces > 1 else first
 
 
-def _pieces(w: Any, pieces: int) -> int:
-    """`pieces`, or the largest count below it that divides every weight's K."""
-    return math.gcd(pieces, *(v.shape[-2] for v in jax.tree.leaves(w)))
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
-def _gathered(product, dim, axes, pieces, x, w, aux):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _gathered(product, dim, slices, x, w, aux):
     """product(x, w gathered whole along its dimension `dim`, aux): the sum over pieces c
-    of the weights' K (every device's slice in `pieces` pieces) of x's matching columns
-    times piece c gathered whole."""
-    blocks = _devices(axes) if dim == -2 else 1
+    of the weights' K (every device's slice in `slices.pieces` pieces) of x's matching
+    columns times piece c gathered whole."""
+    pieces, blocks = slices.pieces, slices.blocks(dim)
 
     def step(c, y):
-        whole_c = _whole(_piece(w, c, pieces, -2), dim, axes)
+        whole_c = _whole(_piece(w, c, pieces, -2), dim, slices.axes)
         return _add(y, product(_columns(x, c, pieces, blocks), whole_c, aux))
 
-    y = jax.eval_shape(product, x, _whole(w, dim, axes), aux)
+    y = jax.eval_shape(product, x, _whole(w, dim, slices.axes), aux)
     return _over_pieces(step, jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), y), pieces)
 
 
-def _gathered_fwd(product, dim, axes, pieces, x, w, aux):
-    return _gathered(product, dim, axes, pieces, x, w, aux), (x, w, aux)
+def _gathered_fwd(product, dim, slices, x, w, aux):
+    return _gathered(product, dim, slices, x, w, aux), (x, w, aux)
 
 
-def _gathered_bwd(product, dim, axes, pieces, residuals, ct):
+def _gathered_bwd(product, dim, slices, residuals, ct):
     """Gather the matrix again, piece by piece; each piece's gradient leaves summed over
     the devices and scattered to their slices."""
     x, w, aux = residuals
-    blocks = _devices(axes) if dim == -2 else 1
+    pieces, blocks = slices.pieces, slices.blocks(dim)
     w = jax.lax.optimization_barrier(w)   # gathered again, not the forward's
 
     def step(c, grads):
         dx, dw = grads
-        whole_c = _whole(_piece(w, c, pieces, -2), dim, axes)
+        whole_c = _whole(_piece(w, c, pieces, -2), dim, slices.axes)
         x_c = _columns(x, c, pieces, blocks)
         dx_c = jax.linear_transpose(lambda v: product(v, whole_c, aux), x_c)(ct)[0]
         dwhole_c = jax.linear_transpose(lambda v: product(x_c, v, aux), whole_c)(ct)[0]
-        dw_c = jax.tree.map(lambda g: _sum_scattered(g, dim, axes), dwhole_c)
+        dw_c = jax.tree.map(lambda g: _sum_scattered(g, dim, slices), dwhole_c)
         return _put_columns(dx, dx_c, c, blocks), _put(dw, dw_c, c, -2)
 
     init = (jnp.zeros_like(x), jax.tree.map(jnp.zeros_like, w))

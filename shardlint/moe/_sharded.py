@@ -193,9 +193,9 @@ class ShardedRoutedMoE:
         and the Qwen3-Next shared expert take `.whole` of it themselves)."""
         if not self.weight_axes:
             return IN_PLACE
-        return WeightSlices(self.weight_axes, self._weight_degree(),
-                            ring=self.weight_gather == "ring",
-                            pieces=PIECES_PER_DEVICE * self._weight_degree())
+        devices = self._weight_degree()
+        return WeightSlices(self.weight_axes, devices, ring=self.weight_gather == "ring",
+                            pieces=PIECES_PER_DEVICE * devices)
 
     def _block(self, params: Params, x_bsD: jax.Array, axes: TokenAxes) -> jax.Array:
         b, s, D = x_bsD.shape

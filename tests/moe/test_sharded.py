@@ -160,8 +160,8 @@ def _pieces(layer, name, shape) -> tuple[int, tuple[int, ...], set[tuple[int, ..
     a gathered value's gradient over its own device) and reduce-scattered (one device's
     piece, before its stacking dim is dropped)."""
     local = _local(layer, name, shape)
-    n = layer.weight_slices.size
-    pieces = 1 if name == "gate" else math.gcd(2 * n, local[-2])
+    n, asked = layer.weight_slices.size, layer.weight_slices.pieces
+    pieces = 1 if name == "gate" else math.gcd(asked, local[-2])
     piece = local[:-2] + (local[-2] // pieces, local[-1])
     whole = tuple(d * n if i == EMBED_DIMS[name] else d for i, d in enumerate(piece))
     return pieces, (n,) + piece, {whole, (1,) + piece}
