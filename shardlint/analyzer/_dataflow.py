@@ -32,6 +32,11 @@ def _union(marks) -> int:
 
 
 def _join(a, b):
+    """Marks that hold a's and b's. No marks (0, what a value has before the walk reaches
+    its sources, e.g. a loop body's parameter before its loop binds it) join as nothing,
+    so that they do not merge a tuple's elements that arrive later."""
+    if a == 0 or b == 0:
+        return b if a == 0 else a
     if isinstance(a, tuple) and isinstance(b, tuple) and len(a) == len(b):
         return tuple(_join(x, y) for x, y in zip(a, b))
     return _union(a) | _union(b)

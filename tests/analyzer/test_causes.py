@@ -139,3 +139,34 @@ def test_the_text_report_counts_loop_iterations_and_shows_causes():
     text = format_text(_analysis("make_scanned_layers_step"))
     assert f"x{cause_steps.LAYERS} iterations" in text
     assert " lost " in text and " reduction " in text
+
+
+def test_weights_gathered_in_a_loop_inside_a_scan_are_weights():
+    """ShardedRoutedMoE's pieces are gathered in a loop inside the scan over layers: the
+    inner loop's body is walked before the scan's body has bound its carry, and a value
+    with no marks yet must not merge the carried tuple's elements when marks arrive (the
+    weight pieces read as `requested`, data, before)."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from shardlint import moe
+
+    mesh = _mesh(2, 4)
+    cfg = moe.MoeConfig(num_experts=8, top_k=2, emb_dim=32, mlp_dim=64)
+    layer = moe.ShardedRoutedMoE(cfg, mesh, batch_axes="data", seq_axes="context")
+    stacked = jax.tree.map(
+        lambda w, s: jax.ShapeDtypeStruct((3,) + w.shape, w.dtype,
+                                          sharding=NamedSharding(mesh, P(None, *s))),
+        jax.eval_shape(layer.init, jax.random.key(0)), layer.param_specs())
+    x = jax.ShapeDtypeStruct((4, 32, 32), jax.numpy.float32,
+                             sharding=NamedSharding(mesh, P("data", "context")))
+
+    def loss(params, x):
+        h, _ = jax.lax.scan(jax.checkpoint(lambda h, p: (h + layer(p, h), None)), x, params)
+        return jax.numpy.mean(h ** 2)
+
+    analysis = shardlint.analyze(jax.value_and_grad(loss), stacked, x, params_argnums=(0,))
+    gathers = analysis.all_gathers()
+    assert gathers and all(c.in_loop for c in gathers)
+    assert all(c.cause == "weights" for c in gathers), [(c.cause, c.shape) for c in gathers]
+    assert analysis.findings == ()
