@@ -82,7 +82,10 @@ def variants(cfg: moe.MoeConfig, mesh: jax.sharding.Mesh, x_spec: P) -> list[Var
     moe_params = moe.init_moe_params(key, cfg)
     replicated = jax.tree.map(lambda _: P(), moe_params)
     sharded = moe.ShardedRoutedMoE(cfg, mesh, **token_axes(x_spec))
-    ring = moe.ShardedRoutedMoE(cfg, mesh, **token_axes(x_spec), weight_gather="ring")
+    # where no mesh axis shards the weights (context 1 here) there is no ring to pass them
+    # round: that row is the default layer
+    ring = moe.ShardedRoutedMoE(cfg, mesh, **token_axes(x_spec),
+                                weight_gather="ring" if sharded.weight_axes else "whole")
     D, H = cfg.emb_dim, cfg.top_k * cfg.mlp_dim
     mlp_params = normal_params(key, {"wi_0": ((D, H), D), "wi_1": ((D, H), D),
                                      "wo": ((H, D), H)}, cfg.dtype)
