@@ -32,8 +32,8 @@ from ._dataflow import DATA, WEIGHTS as WEIGHT_MARK
 from ._detect import describe, neighbourhood
 from ._graph import sharding_of, source_of, stack_key, user_stack_of
 from ._hlo import HloModule
-from ._patterns import feeds_grouped_matmul
-from ._model import (LAYOUT, LOST, REDUCTION, REMATERIALIZED, REQUESTED, UNSPLIT, WEIGHTS,
+from ._patterns import NEEDS_WHOLE, feeds_grouped_matmul
+from ._model import (LAYOUT, LOST, REDUCTION, REMATERIALIZED, REQUESTED, RESHARDED, UNSPLIT, WEIGHTS,
                      Collective, Finding, Requested, Source)
 from ._stablehlo import Asked
 from ._stack import SourceLocation, display_path, user_stack
@@ -49,6 +49,10 @@ _UNSPLITTABLE_WAY_OUT = (
     "batch and sequence (for MoE routing, `shardlint analyze --rewrite` does that where the "
     "op feeds the experts: top_k, the scatter into [batch, seq, experts], sort; a cumsum over "
     "tokens with --per-shard-capacity), or keep the dimension it works along unsharded")
+_RESHARDED_WAY_OUT = (
+    "{op} can run sharded, but its operands arrive sharded along different dimensions, so XLA's "
+    "partitioner moves one over {axes} to match the other: shard them alike where they are "
+    "made (a sharding constraint on the one that differs)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -196,11 +200,15 @@ def _node_for(graph, stacks, key, op) -> str | None:
 
 
 def _finding(op: str, op_path: str, members: list[Collective], graph, node) -> Finding:
+    """A finding for the lost collectives XLA's partitioner emitted for `op`: an op that
+    could run sharded but whose operands came sharded along different dimensions, so one
+    was moved (`resharded-operand`), else an op that needs a dimension whole (`unsplit-op`)."""
     axes = tuple(dict.fromkeys(a for c in members for a in c.axes))
     first = members[0]
     stack = _stack_of(members, graph, node)
     operand = result = first.shape
     spec: tuple = ()
+    sharded: list = []
     if node is not None:
         result = describe(graph, node, 0)
         sharded = [(p, e) for p, _, d in graph.in_edges(node, data=True)
@@ -211,19 +219,30 @@ def _finding(op: str, op_path: str, members: list[Collective], graph, node) -> F
     nbytes = sum(c.step_bytes for c in members)
     loops = {c.trips for c in members if c.in_loop}
     per = f" x{loops.pop()} iterations" if len(loops) == 1 and None not in loops else ""
-    message = (f"{op} needs its operands whole along a dimension sharded over {', '.join(axes)}: "
-               f"XLA's partitioner gathers {len(members)} value(s) for it "
-               f"({', '.join(c.shape for c in members[:4])}{', ...' if len(members) > 4 else ''} "
-               f"per device){per}")
+    moved = (f"{len(members)} value(s) ({', '.join(c.shape for c in members[:4])}"
+             f"{', ...' if len(members) > 4 else ''} per device){per}")
+    over = ", ".join(axes)
+    # Two operands sharded along different dimensions, in XLA's propagated module, at an op
+    # that could run sharded: the partitioner moved one of them.
+    differ = {sharding_of(graph, *pe).dims for pe in sharded}
+    operands: tuple[str, ...] = ()
+    if op not in NEEDS_WHOLE and len(differ) > 1:
+        kind, way_out = RESHARDED, _RESHARDED_WAY_OUT.format(op=op, axes=over)
+        operands = tuple(dict.fromkeys(describe(graph, *pe) for pe in sharded))
+        message = (f"{op}'s operands ({'; '.join(operands)}) are sharded differently: XLA's "
+                   f"partitioner moves {moved} over {over} to line them up")
+    else:
+        kind, way_out = UNSPLIT, _UNSPLITTABLE_WAY_OUT.format(op=op, axes=over)
+        message = (f"{op} needs its operands whole along a dimension sharded over {over}: "
+                   f"XLA's partitioner gathers {moved} for it")
     return Finding(
-        kind=UNSPLIT, op=op, axes=axes,
+        kind=kind, op=op, axes=axes,
         feeds_grouped_matmul=bool(node is not None and feeds_grouped_matmul(graph, node)),
         source=stack[0] if stack else first.xla_source, op_path=op_path or first.op_path,
         operand_shape=operand, result_shape=result, collectives=tuple(c.id for c in members),
-        bytes=nbytes, message=message,
-        way_out=_UNSPLITTABLE_WAY_OUT.format(op=op, axes=", ".join(axes)),
+        bytes=nbytes, message=message, way_out=way_out,
         neighbourhood=neighbourhood(graph, node) if node is not None else None,
-        operand_spec=spec, cause=LOST, needed_by=op, stack=stack)
+        operand_spec=spec, operand_shapes=operands, cause=LOST, needed_by=op, stack=stack)
 
 
 def _stack_of(members, graph, node) -> tuple[Source, ...]:

@@ -39,7 +39,7 @@ _READ_BY_CONSUMER = {"all-gather", "all-to-all", "ragged-all-to-all", "collectiv
 def collectives_of(module: HloModule, mesh: MeshInfo) -> tuple[Collective, ...]:
     loop_bodies = _loop_bodies(module)
     trips = executions(module)
-    users = _users(module)
+    users = _users(module.instructions())
     found = []
     for instr in module.instructions():
         kind, is_async = _kind(instr.opcode)
@@ -98,19 +98,20 @@ def primitive_of(op_path: str) -> str:
     return last.split("(", 1)[0].strip(")") or last
 
 
-def _users(module: HloModule) -> dict[str, list[Instruction]]:
+def _users(instructions) -> dict[str, list[Instruction]]:
     users: dict[str, list[Instruction]] = {}
-    for instr in module.instructions():
+    for instr in instructions:
         for operand in instr.operands:
             users.setdefault(operand, []).append(instr)
     return users
 
 
-def _first_reader(instr: Instruction, users, pick, hops: int | None = None):
+def _first_reader(instr: Instruction, users, pick, hops: int | None = None, past=lambda op: True):
     """Walks the ops reading the collective's result, nearest first, and returns the
-    `pick(op)` that is not None (within `hops` steps when given). Of several at the same
-    distance, the one earliest in the user's source wins, not the one XLA printed first:
-    XLA prints the same module in different orders (JAX 0.12's dump and `as_text()`)."""
+    `pick(op, via)` that is not None (`via`: the name of the value `op` reads on the way;
+    within `hops` steps when given, and on past an op only where `past(op)`). Of several at
+    the same distance, the one earliest in the user's source wins, not the one XLA printed
+    first: XLA prints the same module in different orders (JAX 0.12's dump and `as_text()`)."""
     frontier, seen, depth = [instr], {instr.name}, 0
     while frontier and (hops is None or depth < hops):
         nxt, found = [], []
@@ -119,10 +120,11 @@ def _first_reader(instr: Instruction, users, pick, hops: int | None = None):
                 if user.name in seen:
                     continue
                 seen.add(user.name)
-                picked = pick(user)
+                picked = pick(user, node.name)
                 if picked is not None:
                     found.append(picked)
-                nxt.append(user)
+                if past(user):
+                    nxt.append(user)
         if found:
             return min(found, key=_in_source_order)
         frontier, depth = nxt, depth + 1
@@ -137,7 +139,7 @@ def _in_source_order(instr: Instruction) -> tuple:
 def _consumer(instr: Instruction, users) -> Instruction | None:
     """The first op past layout-only ops that reads the collective's result."""
     return _first_reader(instr, users,
-                         lambda u: None if u.opcode in _PASS_THROUGH or u.source is None else u)
+                         lambda u, via: None if u.opcode in _PASS_THROUGH or u.source is None else u)
 
 
 def _contracts(instr: Instruction | None) -> bool:
@@ -147,20 +149,44 @@ def _contracts(instr: Instruction | None) -> bool:
 
 def _needing(instr: Instruction, users, module: HloModule, hops: int = 6) -> Instruction | None:
     """The nearest op reading the collective's result (within `hops` ops) that needs a whole
-    dimension, looking inside fusions: the op the gather was placed for."""
-    return _first_reader(instr, users, lambda u: _op_needing_whole(u, module), hops)
+    dimension, looking inside fusions: the op the gather was placed for. The walk stops at
+    a contraction: what a dot makes is a new value, not the gathered one passed on (the
+    embedding's scatter-add in the backward is not what an attention all-to-all was for)."""
+    return _first_reader(instr, users, lambda u, via: _op_needing_whole(u, via, module), hops,
+                         past=lambda u: not _contracts(u))
 
 
-def _op_needing_whole(instr: Instruction, module: HloModule) -> Instruction | None:
-    if primitive_of(instr.op_name) in NEEDS_WHOLE and instr.opcode not in _PASS_THROUGH:
+def _op_needing_whole(instr: Instruction, via: str, module: HloModule) -> Instruction | None:
+    """`instr`, or the op inside the fusion `instr` that reads the value `via` (through the
+    fusion's parameters bound to it), when that op needs a whole dimension. Ops inside the
+    fusion that `via` does not reach do not count: XLA shares one constant across the
+    module under the metadata of the first op that made it (a scatter-add's zeros inside
+    an attention fusion)."""
+    if _needs_whole(instr):
         return instr
-    if instr.opcode == "fusion":
-        for callee in instr.called:
-            comp = module.computations.get(callee)
-            for inner in comp.instructions if comp else ():
-                if primitive_of(inner.op_name) in NEEDS_WHOLE and inner.opcode not in _PASS_THROUGH:
-                    return inner
+    if instr.opcode != "fusion":
+        return None
+    bound = {k for k, name in enumerate(instr.operands) if name == via}
+    for callee in instr.called:
+        comp = module.computations.get(callee)
+        if comp is None:
+            continue
+        inner_users = _users(comp.instructions)
+        reached = [i for i in comp.instructions if i.opcode == "parameter" and i.parameter_number in bound]
+        seen = {i.name for i in reached}
+        while reached:
+            inner = reached.pop()
+            if _needs_whole(inner):
+                return inner
+            for user in inner_users.get(inner.name, ()):
+                if user.name not in seen:
+                    seen.add(user.name)
+                    reached.append(user)
     return None
+
+
+def _needs_whole(instr: Instruction) -> bool:
+    return primitive_of(instr.op_name) in NEEDS_WHOLE and instr.opcode not in _PASS_THROUGH
 
 
 def _kind(opcode: str) -> tuple[str | None, bool]:

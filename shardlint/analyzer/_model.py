@@ -28,8 +28,9 @@ CAUSES = (LOST, REQUESTED, WEIGHTS, REDUCTION, LAYOUT)
 # How a finding's sharding was lost.
 DROPPED = "lost-sharding"                # propagation dropped the axis at the op (reshape, sort, ...)
 UNSPLIT = "unsplit-op"                   # the partitioner could not split the op: it gathered inputs
+RESHARDED = "resharded-operand"          # the op's operands came sharded differently: one was moved
 REMATERIALIZED = "full-rematerialization"  # XLA logged an involuntary full rematerialization
-FINDING_KINDS = (DROPPED, UNSPLIT, REMATERIALIZED)
+FINDING_KINDS = (DROPPED, UNSPLIT, RESHARDED, REMATERIALIZED)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,6 +88,8 @@ class Finding:
     way_out: str
     neighbourhood: Neighbourhood | None = None
     operand_spec: tuple[tuple[str, ...], ...] = ()   # mesh axes per operand dim, as propagated
+    # a resharded-operand finding's operands, each "global shape P(...)", as propagated
+    operand_shapes: tuple[str, ...] = ()
     cause: str = LOST
     needed_by: str = ""          # the op that needed the gathers (the finding's op, or its consumer)
     stack: tuple[Source, ...] = ()
@@ -185,6 +188,7 @@ class Analysis:
                            "source": src(f["source"]),
                            "neighbourhood": _neighbourhood(f.get("neighbourhood")),
                            "operand_spec": tuple(tuple(d) for d in f.get("operand_spec", ())),
+                           "operand_shapes": tuple(f.get("operand_shapes", ())),
                            "stack": stack(f.get("stack"))})
                 for f in doc["findings"]),
             requested=tuple(

@@ -6,7 +6,7 @@ import json
 
 from .._format import clip, human_bytes
 from ..analyzer import Analysis, scope_tree
-from ..analyzer._model import DROPPED, REMATERIALIZED, UNSPLIT
+from ..analyzer._model import DROPPED, REMATERIALIZED, RESHARDED, UNSPLIT
 from ._frames import frames_text, helper_frames
 
 
@@ -29,7 +29,7 @@ def format_text(analysis: Analysis, title: str = "", fit=None) -> str:
             lines.append(f"  [{i}] {at(f)}  {_headline(f)}"
                          + ("  -> feeds a grouped matmul" if f.feeds_grouped_matmul else ""))
             lines.append(f"      op path: {f.op_path}")
-            lines.append(f"      {f.operand_shape}  ->  {f.result_shape}")
+            lines.append(f"      {' and '.join(f.operand_shapes) or f.operand_shape}  ->  {f.result_shape}")
             if f.collectives:
                 lines.append(f"      costs: {', '.join(f.collectives)} ({human_bytes(f.bytes)} per device"
                              f" per step{_loop_note(analysis, f.collectives)})")
@@ -86,6 +86,8 @@ def _headline(f) -> str:
         return f"{f.op}: involuntary full rematerialization"
     if f.kind == UNSPLIT:
         return f"{f.op} cannot be split: its inputs are gathered over {', '.join(f.axes)}"
+    if f.kind == RESHARDED:
+        return f"{f.op} moves an operand over {', '.join(f.axes)}: its operands are sharded differently"
     return f"{f.op} drops {', '.join(f.axes)}"
 
 

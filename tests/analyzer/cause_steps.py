@@ -30,7 +30,7 @@ _LOST = frozenset({"lost", "reduction"})
 CAUSES = {**dict.fromkeys(("make_scatter_dispatch_step", "make_capacity_cumsum_step",
                            "make_gather_dispatch_step", "make_scanned_layers_step",
                            "make_prejitted_step", "make_nnx_step",
-                           "make_keep_sharded_constraint_step"), _LOST),
+                           "make_keep_sharded_constraint_step", "make_embedded_transpose_step"), _LOST),
           "make_ulysses_step": frozenset({"layout", "reduction"}),
           "make_fsdp_step": frozenset({"weights", "reduction"}),
           "make_clean_step": frozenset({"reduction"})}
@@ -362,6 +362,24 @@ def make_clean_step(mesh):
     moe = jax.shard_map(lambda p, x: routed_moe(p, x, TOP_K), mesh=mesh,  # <- clean moe
                         in_specs=(P(), spec), out_specs=spec)
     return _loss_step(moe), (_moe_params(mesh), _batch(mesh, spec))
+
+
+def make_embedded_transpose_step(mesh, vocab: int = 128):
+    """Token ids looked up in an embedding table (its backward is a scatter-add, whose zero
+    XLA shares with every fusion that needs one), then scores added to their own transpose:
+    the two operands of the add are sharded over `context` along different dimensions, so
+    the partitioner moves one with an all-to-all, forward (add) and backward (add_any).
+    The ids arrive sharded over data and context, the table replicated."""
+
+    def loss(params, ids_BS):
+        h_BSD = params["table"][ids_BS]
+        s_BSS = jnp.einsum("bqd,bkd->bqk", h_BSD @ params["wq"], h_BSD @ params["wk"])
+        t_BSS = jnp.swapaxes(s_BSS, 1, 2)                      # <- transpose
+        return jnp.sum(jnp.maximum(s_BSS + t_BSS, 0.0) ** 2)  # <- add
+
+    params = {"table": _sds(mesh, (vocab, EMB)), "wq": _sds(mesh, (EMB, EMB)), "wk": _sds(mesh, (EMB, EMB))}
+    ids = jax.ShapeDtypeStruct((BATCH, SEQ), jnp.int32, sharding=NamedSharding(mesh, P("data", "context")))
+    return jax.jit(jax.value_and_grad(loss)), (params, ids)
 
 
 def marker_line(marker: str) -> int:

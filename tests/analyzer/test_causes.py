@@ -170,3 +170,25 @@ def test_weights_gathered_in_a_loop_inside_a_scan_are_weights():
     assert gathers and all(c.in_loop for c in gathers)
     assert all(c.cause == "weights" for c in gathers), [(c.cause, c.shape) for c in gathers]
     assert analysis.findings == ()
+
+
+@pytest.mark.parametrize("mesh", MESHES, ids=lambda m: f"{m[0]}x{m[1]}")
+def test_an_all_to_all_is_attributed_to_the_op_it_reshards_for_not_a_later_one(mesh):
+    """The add's operands are sharded along different dimensions: XLA moves one with an
+    all-to-all, labelled with the add (forward) and the add_any of the transpose's backward.
+    Neither is for the embedding's scatter-add further on, which once claimed them through
+    a zero constant XLA shares into their fusion (and, in MaxText, the constraint near the
+    embedding then called them requested)."""
+    analysis = _analysis("make_embedded_transpose_step", *mesh)
+    moves = [c for c in analysis.collectives if c.kind == "all-to-all"]
+    assert moves, analysis.collectives
+    near = {cause_steps.marker_line("transpose"), cause_steps.marker_line("add")}
+    for c in moves:
+        assert (c.needed_by, c.source.line, c.cause) in {("add", cause_steps.marker_line("add"), "lost"),
+                                                         ("add_any", cause_steps.marker_line("transpose"), "lost")}, c
+    findings = [f for f in analysis.findings if set(f.collectives) & {c.id for c in moves}]
+    assert {f.op for f in findings} == {c.needed_by for c in moves}
+    for f in findings:
+        assert f.kind == "resharded-operand" and f.source.line in near
+        assert len(f.operand_shapes) == 2 and f.operand_shapes[0] != f.operand_shapes[1], f
+        assert "context" in f.operand_shapes[0] and "context" in f.operand_shapes[1]

@@ -52,6 +52,20 @@ def _moe_findings(analysis):
     return [f for f in analysis.findings if f.source and f.source.file.endswith("maxtext/layers/moe.py")]
 
 
+def test_attention_all_to_alls_are_explained_at_attention(dense):
+    """XLA moves attention scores between two shardings over `context` in the backward
+    (all-to-alls labelled with attention_op.py's ops). They were once attributed to the
+    embedding's scatter-add, through a zero constant XLA shares into their fusion under the
+    scatter-add's name, and called `layout` after the constraint next to it."""
+    _, _, analysis = dense
+    moves = [c for c in analysis.collectives if c.kind == "all-to-all" and c.xla_source is not None
+             and c.xla_source.file.endswith("maxtext/layers/attention_op.py")]
+    assert moves, analysis.collectives
+    assert all(c.source.file.endswith("maxtext/layers/attention_op.py") and c.cause == "lost" for c in moves), moves
+    claimed = {cid for f in analysis.findings for cid in f.collectives}
+    assert {c.id for c in moves} <= claimed
+
+
 # MaxText's remat policies besides its default ("full"): "minimal" saves the dots for the
 # backward, "none" saves everything a scanned layer computes.
 DENSE = {"layers": dict(scan_layers=False), "scan_layers": dict(scan_layers=True),
