@@ -324,10 +324,13 @@ def _lost_in(step, args, progress, analysis=None) -> _Lost:
     lines = frozenset((s.file, s.line) for s in
                       [f.source for f in lost] + [c.source for c in analysis.collectives if c.cause == "lost"]
                       if s is not None)
-    flattens = {_axes_of(f) for f in lost
-                if f.op == "reshape" and f.feeds_grouped_matmul and len(f.operand_spec) >= 2}
-    routing = {_axes_of(f) for f in lost if f.op in _ROUTING_FINDING_OPS and len(f.operand_spec) >= 3}
-    found = {a for a in (flattens or routing) if a.seq}
+    # A flatten of (batch, seq) has the sequence sharded in its second dimension; a lost
+    # reshape without that (attention's heads split off a score tensor) is no flatten.
+    flattens = {a for f in lost if f.op == "reshape" and f.feeds_grouped_matmul and len(f.operand_spec) >= 2
+                for a in [_axes_of(f)] if a.seq}
+    routing = {a for f in lost if f.op in _ROUTING_FINDING_OPS and len(f.operand_spec) >= 3
+               for a in [_axes_of(f)] if a.seq}
+    found = flattens or routing
     if len(found) > 1:
         raise RewriteError(f"the lossy ops are sharded differently "
                            f"({sorted((a.batch, a.seq) for a in found)}); pass batch_axes= and "
