@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from ._collectives import transform_of
 from ._devices import MeshInfo
 from ._graph import around, dims_of, sharding_of, source_of
 from ._model import Collective
@@ -71,7 +72,7 @@ def link(graph, drops: list[Drop], mesh: MeshInfo, collectives) -> dict[str, set
 
         def preference(node):
             data = graph.nodes[node]
-            same_transform = _transform(data["op_path"]) == _transform(c.xla_op_path)
+            same_transform = transform_of(data["op_path"]) == transform_of(c.xla_op_path)
             src = source_of(graph, node)
             same_line = src is not None and c.source is not None and src.line == c.source.line
             return (not same_transform, not same_line)
@@ -91,14 +92,6 @@ def _labelled_near(c: Collective, lines: set[tuple[str, int]]) -> bool:
     sits next to the op: an all-gather labelled elsewhere belongs to someone else."""
     return c.xla_source is None or any(
         s is not None and (s.file, s.line) in lines for s in (c.xla_source, c.source))
-
-
-def _transform(op_path: str) -> str:
-    """`jit(step)/transpose(jvp())/mul` -> `jit(step)/transpose(jvp())`.
-
-    XLA joins the names of ops it merged with ';' (JAX 0.12); the first one decides."""
-    first = op_path.split(";", 1)[0]
-    return first.rsplit("/", 1)[0] if "/" in first else ""
 
 
 def _gathered_shape(graph, operand, element, lost, mesh: MeshInfo) -> str:

@@ -50,9 +50,9 @@ _UNSPLITTABLE_WAY_OUT = (
     "op feeds the experts: top_k, the scatter into [batch, seq, experts], sort; a cumsum over "
     "tokens with --per-shard-capacity), or keep the dimension it works along unsharded")
 _RESHARDED_WAY_OUT = (
-    "{op} can run sharded, but its operands arrive sharded along different dimensions, so XLA's "
-    "partitioner moves one over {axes} to match the other: shard them alike where they are "
-    "made (a sharding constraint on the one that differs)")
+    "{op} can run sharded, but an operand arrives sharded along another dimension than the "
+    "one {op} is computed along, so XLA's partitioner moves it over {axes}: shard the operands "
+    "alike where they are made (a sharding constraint on the one that differs)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -201,8 +201,9 @@ def _node_for(graph, stacks, key, op) -> str | None:
 
 def _finding(op: str, op_path: str, members: list[Collective], graph, node) -> Finding:
     """A finding for the lost collectives XLA's partitioner emitted for `op`: an op that
-    could run sharded but whose operands came sharded along different dimensions, so one
-    was moved (`resharded-operand`), else an op that needs a dimension whole (`unsplit-op`)."""
+    could run sharded but whose operand was moved to another sharding (`resharded-operand`:
+    its operands came sharded along different dimensions, or all it cost is all-to-alls),
+    else an op that needs a dimension whole (`unsplit-op`)."""
     axes = tuple(dict.fromkeys(a for c in members for a in c.axes))
     first = members[0]
     stack = _stack_of(members, graph, node)
@@ -222,15 +223,20 @@ def _finding(op: str, op_path: str, members: list[Collective], graph, node) -> F
     moved = (f"{len(members)} value(s) ({', '.join(c.shape for c in members[:4])}"
              f"{', ...' if len(members) > 4 else ''} per device){per}")
     over = ", ".join(axes)
-    # Two operands sharded along different dimensions, in XLA's propagated module, at an op
-    # that could run sharded: the partitioner moved one of them.
+    # At an op that could run sharded, two operands sharded along different dimensions in
+    # XLA's propagated module, or only all-to-alls (which move shards, never gather them):
+    # the partitioner moved an operand from one sharding to another.
     differ = {sharding_of(graph, *pe).dims for pe in sharded}
     operands: tuple[str, ...] = ()
-    if op not in NEEDS_WHOLE and len(differ) > 1:
+    if op not in NEEDS_WHOLE and (len(differ) > 1 or all(c.kind == "all-to-all" for c in members)):
         kind, way_out = RESHARDED, _RESHARDED_WAY_OUT.format(op=op, axes=over)
-        operands = tuple(dict.fromkeys(describe(graph, *pe) for pe in sharded))
-        message = (f"{op}'s operands ({'; '.join(operands)}) are sharded differently: XLA's "
-                   f"partitioner moves {moved} over {over} to line them up")
+        if len(differ) > 1:
+            operands = tuple(dict.fromkeys(describe(graph, *pe) for pe in sharded))
+            message = (f"{op}'s operands ({'; '.join(operands)}) are sharded differently: XLA's "
+                       f"partitioner moves {moved} over {over} to line them up")
+        else:
+            message = (f"XLA's partitioner moves {moved} over {over} from one sharding to another "
+                       f"to compute {op} (all-to-all)")
     else:
         kind, way_out = UNSPLIT, _UNSPLITTABLE_WAY_OUT.format(op=op, axes=over)
         message = (f"{op} needs its operands whole along a dimension sharded over {over}: "

@@ -98,6 +98,14 @@ def primitive_of(op_path: str) -> str:
     return last.split("(", 1)[0].strip(")") or last
 
 
+def transform_of(op_path: str) -> str:
+    """The transformations an op path's op ran under: `jit(step)/transpose(jvp())/mul` ->
+    `jit(step)/transpose(jvp())`. XLA joins the names of ops it merged with ';' (JAX 0.12):
+    the first one decides."""
+    first = op_path.split(";", 1)[0]
+    return first.rsplit("/", 1)[0] if "/" in first else ""
+
+
 def _users(instructions) -> dict[str, list[Instruction]]:
     users: dict[str, list[Instruction]] = {}
     for instr in instructions:
@@ -110,8 +118,10 @@ def _first_reader(instr: Instruction, users, pick, hops: int | None = None, past
     """Walks the ops reading the collective's result, nearest first, and returns the
     `pick(op, via)` that is not None (`via`: the name of the value `op` reads on the way;
     within `hops` steps when given, and on past an op only where `past(op)`). Of several at
-    the same distance, the one earliest in the user's source wins, not the one XLA printed
-    first: XLA prints the same module in different orders (JAX 0.12's dump and `as_text()`)."""
+    the same distance, one in the transformation of XLA's label on the collective wins (a
+    gather made in the forward pass is for the forward op, though the backward reads it
+    too), then the one earliest in the user's source, not the one XLA printed first: XLA
+    prints the same module in different orders (JAX 0.12's dump and `as_text()`)."""
     frontier, seen, depth = [instr], {instr.name}, 0
     while frontier and (hops is None or depth < hops):
         nxt, found = [], []
@@ -126,7 +136,8 @@ def _first_reader(instr: Instruction, users, pick, hops: int | None = None, past
                 if past(user):
                     nxt.append(user)
         if found:
-            return min(found, key=_in_source_order)
+            return min(found, key=lambda op: (transform_of(op.op_name) != transform_of(instr.op_name),
+                                              _in_source_order(op)))
         frontier, depth = nxt, depth + 1
     return None
 

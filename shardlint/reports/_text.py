@@ -87,7 +87,7 @@ def _headline(f) -> str:
     if f.kind == UNSPLIT:
         return f"{f.op} cannot be split: its inputs are gathered over {', '.join(f.axes)}"
     if f.kind == RESHARDED:
-        return f"{f.op} moves an operand over {', '.join(f.axes)}: its operands are sharded differently"
+        return f"{f.op} reshards an operand over {', '.join(f.axes)}"
     return f"{f.op} drops {', '.join(f.axes)}"
 
 

@@ -62,8 +62,10 @@ def test_attention_all_to_alls_are_explained_at_attention(dense):
              and c.xla_source.file.endswith("maxtext/layers/attention_op.py")]
     assert moves, analysis.collectives
     assert all(c.source.file.endswith("maxtext/layers/attention_op.py") and c.cause == "lost" for c in moves), moves
-    claimed = {cid for f in analysis.findings for cid in f.collectives}
-    assert {c.id for c in moves} <= claimed
+    claiming = [f for f in analysis.findings if set(f.collectives) & {c.id for c in moves}]
+    assert {c.id for c in moves} <= {cid for f in claiming for cid in f.collectives}
+    # All-to-alls move shards and gather nothing: no finding says the op "cannot be split".
+    assert {f.kind for f in claiming} == {"resharded-operand"}, claiming
 
 
 # MaxText's remat policies besides its default ("full"): "minimal" saves the dots for the
