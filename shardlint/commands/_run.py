@@ -1,0 +1,178 @@
+"""`shardlint analyze`, `report`, `check` and `demo`: each takes the parsed command line
+and returns the exit code (0 clean, 1 findings or a failed gate); a user's mistake is a
+`UsageError`, one line."""
+
+from __future__ import annotations
+
+import os
+
+from .._errors import UsageError
+from ._load import analyze_dump_of, load, progress, reads_dump
+
+
+def _writable_file(path: str, what: str) -> None:
+    """Fails now, in one line, if `path` cannot be written (before minutes of analysis)."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise UsageError(f"cannot write {what} to {path}: the folder {folder} does not exist")
+    if os.path.isdir(path):
+        raise UsageError(f"cannot write {what} to {path}: it is a folder")
+    if not os.access(folder, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        raise UsageError(f"cannot write {what} to {path}: permission denied")
+
+
+def _writable_folder(path: str, what: str) -> None:
+    """Creates `path` if missing; fails now, in one line, if it cannot be written."""
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        raise UsageError(f"cannot write {what} to {path}: {e.strerror or e}") from None
+    if not os.access(path, os.W_OK):
+        raise UsageError(f"cannot write {what} to {path}: permission denied")
+
+
+def analyze_command(args) -> int:
+    from ..analyzer import analyze
+    from ..analyzer._fit import fit_of
+    from ..reports import format_scopes, format_text, write_json
+
+    from_dump = reads_dump(args)
+    if args.json:
+        _writable_file(args.json, "the analysis")
+    if from_dump:
+        analysis, title = analyze_dump_of(args), ""
+    else:
+        mesh, fn, step_args = load(args)
+        if args.rewrite:
+            from ..rewrites import rewrite
+
+            fn = rewrite(fn, mesh, verify=_can_verify(args, True), args=step_args,
+                         progress=progress, **_rewrite_options(args, mesh))
+        analysis = analyze(fn, *step_args, progress=progress)
+        title = args.target + (" (rewritten)" if args.rewrite else "")
+    fit = fit_of(analysis, args.hbm_gib)
+    print(format_text(analysis, title=title, fit=fit))
+    if args.by_scope:
+        print()
+        print(format_scopes(analysis))
+    if args.json:
+        write_json(analysis, args.json)
+        progress(f"wrote {args.json}")
+    return 1 if analysis.findings or (fit and not fit.fits) else 0
+
+
+def _rewrite_options(args, mesh) -> dict:
+    """The rewrite's `batch_axes=`/`seq_axes=`/`capacity=` from the command line."""
+    options = {"capacity": "per-shard"} if args.per_shard_capacity else {}
+    if args.batch_axes and not args.seq_axes:
+        raise UsageError("--batch-axes needs --seq-axes too: the rewrite runs per shard over both")
+    if not args.seq_axes:
+        return options
+    mesh_axes = set(mesh.axis_names)
+    names = (args.batch_axes or ()) + args.seq_axes
+    if not set(names) <= mesh_axes:
+        raise UsageError(f"--batch-axes/--seq-axes name {sorted(set(names) - mesh_axes)}, not "
+                         f"axes of the mesh ({', '.join(sorted(mesh_axes))})")
+    return {**options, "batch_axes": args.batch_axes or (), "seq_axes": args.seq_axes}
+
+
+def _can_verify(args, rewriting: bool) -> bool:
+    """Whether to check the rewrite's numbers: not on TPU topology devices (they only
+    compile), nor with per-shard capacity (it drops other tokens by design)."""
+    if rewriting and args.per_shard_capacity:
+        progress("not verifying the rewrite's numbers: per-shard capacity drops other tokens")
+        return False
+    return _can_run(args, rewriting)
+
+
+def _can_run(args, rewriting: bool) -> bool:
+    """TPU topology devices only compile: a rewrite cannot be checked by running it."""
+    if args.topology and rewriting:
+        progress("not verifying the rewrite's numbers: --topology devices cannot run")
+    return not args.topology
+
+
+def report_command(args) -> int:
+    from ._sweep import analyze_pair, prepare_devices, run_sweep
+    from ._targets import parse_options
+    from ..reports import write_html
+
+    if reads_dump(args):
+        _writable_file(args.out, "the report")
+        before = analyze_dump_of(args)
+        write_html(before, None, path=args.out, title=args.xla_dump,
+                   rewrite_note="read from an XLA dump: the rewrite needs the step's Python")
+        progress(f"wrote {args.out}")
+        return 1 if before.findings or not _report_fit(args, before, None) else 0
+    if args.sweep and args.mesh is None:
+        raise UsageError("--sweep needs --mesh: it re-runs the step with one mesh axis resized")
+    _writable_file(args.out, "the report")
+    sweep = prepare_devices(args.mesh, args.sweep)  # before load: the sweep may need more devices
+    mesh, fn, step_args = load(args)
+    rewrite = not args.no_rewrite
+    notes: list[str] = []
+    before, after = analyze_pair(fn, step_args, mesh, rewrite=rewrite, verify=_can_verify(args, rewrite),
+                                 progress=progress, on_rewrite_note=notes.append,
+                                 **_rewrite_options(args, mesh))
+    for note in notes:
+        progress(note)
+    points = None
+    if sweep:
+        axes = dict(zip(mesh.axis_names, mesh.devices.shape))
+        points = run_sweep(args.target, axes, sweep, rewrite=rewrite, progress=progress,
+                           options=parse_options(args.options),
+                           known={axes[sweep[0]]: (before, after)},
+                           build_mesh=_topology_meshes(args))
+    write_html(before, after, path=args.out, sweep=points, title=args.target,
+               rewrite_note=notes[0] if notes else "")
+    progress(f"wrote {args.out}")
+    fits = _report_fit(args, before, after)
+    return 1 if (after or before).findings or not fits else 0
+
+
+def _topology_meshes(args):
+    """With --topology, sweep points are meshes over the same TPU topology."""
+    if not args.topology:
+        return None
+    from ._targets import build_topology_mesh
+
+    return lambda axes: build_topology_mesh(axes, args.topology)
+
+
+def _report_fit(args, before, after) -> bool:
+    """Prints the memory fit of each side; False when the step as reported would not fit."""
+    from ..analyzer._fit import fit_of
+
+    for label, analysis in (("step", before), ("rewritten step", after)):
+        fit = fit_of(analysis, args.hbm_gib) if analysis is not None else None
+        if fit is not None:
+            progress(f"{label}: {fit.line()}")
+    final = fit_of(after or before, args.hbm_gib)
+    return final is None or final.fits
+
+
+def check_command(args) -> int:
+    from ._check import run_check
+
+    from_dump = reads_dump(args)
+    if args.update:
+        _writable_file(args.baseline, "the baseline")
+
+    def analysis():
+        if from_dump:
+            return analyze_dump_of(args)
+        from ..analyzer import analyze
+
+        _mesh, fn, step_args = load(args)
+        return analyze(fn, *step_args, progress=progress)
+
+    return run_check(args, analysis_of=analysis, progress=progress)
+
+
+def demo_command(args) -> int:
+    from ._demo import run_demo
+
+    _writable_folder(args.out, "the demo's report")
+
+    print(run_demo(args.out, progress=progress))
+    return 0
