@@ -223,12 +223,13 @@ def _finding(op: str, op_path: str, members: list[Collective], graph, node) -> F
     moved = (f"{len(members)} value(s) ({', '.join(c.shape for c in members[:4])}"
              f"{', ...' if len(members) > 4 else ''} per device){per}")
     over = ", ".join(axes)
-    # At an op that could run sharded, two operands sharded along different dimensions in
-    # XLA's propagated module, or only all-to-alls (which move shards, never gather them):
-    # the partitioner moved an operand from one sharding to another.
+    # At a known op that could run sharded, two operands sharded along different dimensions
+    # in XLA's propagated module, or only all-to-alls (which move shards, never gather
+    # them): the partitioner moved an operand from one sharding to another.
     differ = {sharding_of(graph, *pe).dims for pe in sharded}
     operands: tuple[str, ...] = ()
-    if op not in NEEDS_WHOLE and (len(differ) > 1 or all(c.kind == "all-to-all" for c in members)):
+    could_run_sharded = op not in NEEDS_WHOLE and op != first.kind   # the kind: no op known
+    if could_run_sharded and (len(differ) > 1 or all(c.kind == "all-to-all" for c in members)):
         kind, way_out = RESHARDED, _RESHARDED_WAY_OUT.format(op=op, axes=over)
         if len(differ) > 1:
             operands = tuple(dict.fromkeys(describe(graph, *pe) for pe in sharded))
