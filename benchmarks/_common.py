@@ -36,8 +36,8 @@ NUM_DEVICES = 8
 # promises. With the batch over "data" too, every N holds B*S/8 tokens per device.
 X_SPEC = P(None, "context", None)
 X_SPEC_BATCH_OVER_DATA = P("data", "context", None)
-# ShardedRoutedMoE with every weight gathered whole in the layer, beside its default (the
-# expert matrices passed round the weight axes where those hold more than 4 devices)
+# ShardedRoutedMoE with the expert matrices' slices passed round the weight axes, beside its
+# default (the expert matrices gathered whole in pieces)
 RING = "ShardedRoutedMoE (ring)"
 
 

@@ -39,7 +39,7 @@ _READ_BY_CONSUMER = {"all-gather", "all-to-all", "ragged-all-to-all", "collectiv
 def collectives_of(module: HloModule, mesh: MeshInfo) -> tuple[Collective, ...]:
     loop_bodies = _loop_bodies(module)
     trips = executions(module)
-    users = _users(module.instructions())
+    users = _users(module)
     found = []
     for instr in module.instructions():
         kind, is_async = _kind(instr.opcode)
@@ -106,9 +106,9 @@ def transform_of(op_path: str) -> str:
     return first.rsplit("/", 1)[0] if "/" in first else ""
 
 
-def _users(instructions) -> dict[str, list[Instruction]]:
+def _users(module: HloModule) -> dict[str, list[Instruction]]:
     users: dict[str, list[Instruction]] = {}
-    for instr in instructions:
+    for instr in module.instructions():
         for operand in instr.operands:
             users.setdefault(operand, []).append(instr)
     return users
@@ -163,11 +163,11 @@ def _needing(instr: Instruction, users, module: HloModule, hops: int = 6) -> Ins
     dimension, looking inside fusions: the op the gather was placed for. The walk stops at
     a contraction: what a dot makes is a new value, not the gathered one passed on (the
     embedding's scatter-add in the backward is not what an attention all-to-all was for)."""
-    return _first_reader(instr, users, lambda u, via: _op_needing_whole(u, via, module), hops,
-                         past=lambda u: not _contracts(u))
+    return _first_reader(instr, users, lambda u, via: _op_needing_whole(u, via, module, users),
+                         hops, past=lambda u: not _contracts(u))
 
 
-def _op_needing_whole(instr: Instruction, via: str, module: HloModule) -> Instruction | None:
+def _op_needing_whole(instr: Instruction, via: str, module: HloModule, users) -> Instruction | None:
     """`instr`, or the op inside the fusion `instr` that reads the value `via` (through the
     fusion's parameters bound to it), when that op needs a whole dimension. Ops inside the
     fusion that `via` does not reach do not count: XLA shares one constant across the
@@ -182,15 +182,14 @@ def _op_needing_whole(instr: Instruction, via: str, module: HloModule) -> Instru
         comp = module.computations.get(callee)
         if comp is None:
             continue
-        inner_users = _users(comp.instructions)
         reached = [i for i in comp.instructions if i.opcode == "parameter" and i.parameter_number in bound]
         seen = {i.name for i in reached}
         while reached:
             inner = reached.pop()
             if _needs_whole(inner):
                 return inner
-            for user in inner_users.get(inner.name, ()):
-                if user.name not in seen:
+            for user in users.get(inner.name, ()):
+                if user.computation == comp.name and user.name not in seen:
                     seen.add(user.name)
                     reached.append(user)
     return None
