@@ -23,7 +23,7 @@ from pathlib import PurePath
 
 # Frames inside these installed packages are never the user's: JAX and the libraries
 # around it, and the test runner a step may be analyzed under.
-LIBRARIES = ("jax", "jaxlib", "flax", "optax", "numpy", "_pytest", "pytest", "pluggy")
+LIBRARIES = ("jax", "jaxlib", "flax", "optax", "numpy", "opt_einsum", "_pytest", "pytest", "pluggy")
 # A stack keeps at most this many user frames, innermost first: the outer ones (the
 # training loop's entry point, the command line) say nothing about the op.
 MAX_FRAMES = 12
