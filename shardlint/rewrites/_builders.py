@@ -20,8 +20,10 @@ class Builders:
     shard rebuilds them at its own size by replaying the per-shard trace's equations."""
 
     def __init__(self, jaxpr, local, local_consts, producer, scaled, built_in, local_of,
-                 positional_in=frozenset()):
+                 positional_in=frozenset(), unsure=frozenset()):
         self.eqns, self.l_eqns = jaxpr.eqns, local.eqns
+        # Values a retraced per-shard trace cannot tell (`_trace.Traces.unsure`): never built.
+        self.unsure = unsure
         self.producer, self.scaled, self.built_in = producer, scaled, built_in
         self.positional_in = positional_in   # the built_in values that hold positions
         self.local_consts = dict(zip(local.constvars, local_consts))
@@ -60,8 +62,8 @@ class Builders:
             return self._memo[v]
         self._memo[v] = False
         p = self.producer.get(v)
-        ok = v in self.built_in or v in self.local_constvar or (
-            p is not None and all(self.can_build(u) for u in _vars(self.eqns[p].invars)))
+        ok = v not in self.unsure and (v in self.built_in or v in self.local_constvar or (
+            p is not None and all(self.can_build(u) for u in _vars(self.eqns[p].invars))))
         self._memo[v] = ok
         return ok
 

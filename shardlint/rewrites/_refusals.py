@@ -24,14 +24,22 @@ CAPACITY_WAY_OUT = ("Compute capacity per group of tokens (per shard), use a dro
                     "or opt in with capacity='per-shard' (CLI --per-shard-capacity) to let each "
                     "shard drop by its own capacity")
 
+RETRACED_CAPACITY = ("capacity='per-shard' cannot help here: the step does not trace at one "
+                     "shard's shapes, so a shard would keep the capacity of all tokens. Build masks "
+                     "and positions from the input's shape (x.shape[1]) so that the step traces per "
+                     "shard, or compute capacity per group of tokens")
+
 
 def user_line(eqn) -> str:
     frame = _jax.user_frame(eqn)
     return f" at {display_path(frame[0])}:{frame[1]}" if frame else ""
 
 
-def refuse_token_coupling(eqns, region, specs) -> None:
-    """A running total over tokens (capacity positions) differs per shard: refuse."""
+def refuse_token_coupling(eqns, region, specs, *, retraced: bool = False) -> None:
+    """A running total over tokens (capacity positions) differs per shard: refuse.
+    `retraced`: the step did not trace at one shard's shapes, so its capacity cannot be
+    a shard's either, opted in or not."""
+    way_out = (RETRACED_CAPACITY if retraced else CAPACITY_WAY_OUT)
     for i in sorted(region):
         eqn = _coupling_eqn(eqns[i], specs)
         if eqn is not None:
@@ -39,7 +47,7 @@ def refuse_token_coupling(eqns, region, specs) -> None:
             raise RewriteError(
                 f"{eqn.primitive.name} over the token dimension{where} couples all tokens "
                 "(a capacity or position computed globally): per shard it would give different "
-                f"numbers, so this region is left alone. {CAPACITY_WAY_OUT}")
+                f"numbers, so this region is left alone. {way_out}")
 
 
 def couples_tokens(eqn, specs) -> bool:
@@ -66,6 +74,23 @@ def _coupling_eqn(eqn, specs):
     else:
         return None
     return eqn if any(d < len(spec) and spec[d] is not None for d in coupled) else None
+
+
+def refuse_unsure(eqns, region, unsure) -> None:
+    """The values of a retraced per-shard trace that it cannot tell (`_trace.Traces.unsure`)
+    may not be read or made in a region: a shard would compute with the wrong ones."""
+    for i in sorted(region):
+        eqn = eqns[i]
+        for verb, atoms in (("reads", eqn.invars), ("makes", eqn.outvars)):
+            var = next((a for a in atoms if not _jax.is_literal(a) and a in unsure), None)
+            if var is not None:
+                raise RewriteError(
+                    f"{eqn.primitive.name}{user_line(eqn)} in the routed region {verb} "
+                    f"{var.aval.str_short()}, whose part on each shard is not known: the step "
+                    "does not trace at one shard's shapes, so its jaxpr was traced there "
+                    "instead, and this value is built from a configured length, or splits "
+                    "the tokens where nothing else decides how. Build masks and positions "
+                    "from the input's shape (x.shape[1]) so that the step traces per shard")
 
 
 def refuse_global_capacity(eqn, var) -> None:

@@ -87,15 +87,16 @@ def plan_regions(traces: Traces, axes: TokenAxes, *, seed_lines: frozenset = fro
             doubly.add(var)
             continue
         specs[var] = spec
-    planner = _Planner(axes, specs, doubly, local_of, seed_lines, per_shard_capacity)
+    planner = _Planner(axes, specs, doubly, local_of, seed_lines, per_shard_capacity, traces)
     top = planner.level(g.jaxpr, tuple(g.consts), l.jaxpr, tuple(l.consts))
     return Plan(top, axes, specs, local_of, traces)
 
 
 class _Planner:
-    def __init__(self, axes, specs, doubly, local_of, seed_lines, per_shard_capacity):
+    def __init__(self, axes, specs, doubly, local_of, seed_lines, per_shard_capacity, traces):
         self.grower = Grower(axes, specs, doubly, seed_lines, per_shard_capacity)
         self.local_of = local_of
+        self.retraced, self.unsure = traces.retraced, traces.unsure
 
     def level(self, jaxpr, consts, local, local_consts, *, scrambled_in=None,
               stacked_in=frozenset(), built_in=None, positional_in=frozenset(),
@@ -109,7 +110,7 @@ class _Planner:
         consumers = consumers_of(eqns)
         g = self.grower
         builders = Builders(jaxpr, local, local_consts, producer, g.scaled, built_in or {},
-                            self.local_of, positional_in)
+                            self.local_of, positional_in, self.unsure)
         region, scrambled, labels = self.grower.region(eqns, producer, consumers, scrambled_in,
                                                        stacked_in, leaves=builders.leaves())
         if region and not g.per_shard_capacity:
@@ -117,7 +118,9 @@ class _Planner:
                 for v in eqns[i].outvars:
                     if v in g.doubly:
                         _refusals.refuse_global_capacity(eqns[i], v)
-            _refusals.refuse_token_coupling(eqns, region, g.specs)
+        if region and (not g.per_shard_capacity or self.retraced):
+            _refusals.refuse_token_coupling(eqns, region, g.specs, retraced=self.retraced)
+        _refusals.refuse_unsure(eqns, region, self.unsure)
         groups = convex_groups(eqns, region)
         level = Level(jaxpr, consts, local, local_consts, groups, {}, set(stacked_in), {})
         outvars = {v: k for k, v in enumerate(jaxpr.outvars) if not _jax.is_literal(v)}

@@ -81,6 +81,11 @@ class RewrittenStep(JittedStep):
         if axes is None:
             return self._unchanged(NOTHING_LOST, args)
         traces = trace_step(self.step, args, axes, self.mesh)
+        if traces.retraced:
+            self.retraced = traces.retraced
+            self.notes.append(f"the step does not trace at one shard's shapes ({traces.retraced}): "
+                              "its jaxpr was traced there instead")
+            self.progress(self.notes[-1])
         plan = plan_regions(traces, axes, seed_lines=lost.lines if lost else frozenset(),
                             per_shard_capacity=self.per_shard_capacity)
         if not plan.top.changed:
@@ -180,6 +185,10 @@ def rewrite(step: Callable, mesh, *, verify: bool = False, args: tuple | None = 
         if args is None:
             raise RewriteError("verify=True needs args= to build inputs of the real shapes")
         verify_same(step, result, args, progress=progress)
+    elif result.changed and result.retraced and not isinstance(result, NnxRewrittenStep):
+        # Its per-shard equations were reconstructed, and numbers the step's Python drew
+        # from array sizes (a mean's 1/T) kept their global values there: check them.
+        verify_same(step, result, args, progress=progress)
     return result
 
 
@@ -239,6 +248,10 @@ class NnxRewrittenStep(JittedStep):
     @property
     def notes(self):
         return self.inner.notes
+
+    @property
+    def retraced(self):
+        return self.inner.retraced
 
     def unchanged_for(self, args, why: str) -> None:
         self.inner.why_unchanged = why

@@ -17,6 +17,7 @@ from typing import Any, Callable
 
 class JittedStep(abc.ABC):
     changed: bool | None = None
+    retraced: str = ""        # why its jaxpr was traced at one shard's shapes, if it was
     notes: list[str]
     step: Callable
 

@@ -10,6 +10,11 @@ arguments shrink: parameters and optimizer state (the positional arguments a tra
 step returns, as the analyzer reads them) keep their global shapes however they are
 sharded, so FSDP weights stay what they are.
 
+A step whose Python does not trace at one shard's shapes (a mask of the configured
+sequence length meets a shard's scores) is traced there from its global jaxpr instead
+(`_retrace`); the values whose shard's content or shape that trace cannot tell are
+`unsure`: a shard never rebuilds them (`Builders`) and no region may read them.
+
 A pre-jitted step (`jax.jit` with shardings and donation, or the jit inside `nnx.jit`) is
 traced through the function it wraps, so that its in-shardings are not checked against
 one shard's shapes; its own `jit` equation is kept to bind the rewritten body with the
@@ -31,6 +36,7 @@ from .._errors import RewriteError
 from ..analyzer._compile import parameter_argnums
 from ..analyzer._stack import display_path, is_library_file
 from ._replay import inner_jaxpr
+from ._retrace import Unfit, retrace
 from ._subjaxprs import sub_of
 
 
@@ -53,6 +59,11 @@ class Traces:
     seq_jaxpr: object             # ... with only the sequence divided
     out_tree: object              # the step's output pytree
     jit_eqn: object | None        # a pre-jitted step's own jit equation
+    # why the step was traced at one shard's shapes from its global jaxpr ("" if it was not)
+    retraced: str = ""
+    # Global Vars whose per-shard value the retraced jaxpr cannot tell (`_retrace`): built
+    # from the configuration (a shard's shape only), or split by a guess nothing settled.
+    unsure: frozenset = frozenset()
 
 
 def entry_axes(entry) -> tuple[str, ...]:
@@ -75,10 +86,10 @@ def trace_step(step: Callable, args: tuple, axes: TokenAxes, mesh) -> Traces:
         return run
 
     abstract = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in flat]
-    global_jaxpr = _traced(flat_fn(body), abstract, "global")
+    global_jaxpr = jax.make_jaxpr(flat_fn(body))(*abstract)
     jit_eqn = None
     if body is not step:
-        as_jitted = _traced(flat_fn(step), abstract, "global")
+        as_jitted = jax.make_jaxpr(flat_fn(step))(*abstract)
         eqns = as_jitted.jaxpr.eqns
         if len(eqns) == 1 and eqns[0].primitive.name in ("jit", "pjit"):
             jit_eqn = eqns[0]
@@ -88,11 +99,14 @@ def trace_step(step: Callable, args: tuple, axes: TokenAxes, mesh) -> Traces:
     specs = [_spec_of(x) for x in flat]
     local = [_shrunk(x, s, axes, nb, ns) if d else a for x, s, d, a in zip(flat, specs, data, abstract)]
     by_seq = [_shrunk(x, s, axes, 1, ns) if d else a for x, s, d, a in zip(flat, specs, data, abstract)]
-    local_jaxpr = _traced(flat_fn(body), local, "per-shard")
-    seq_jaxpr = _traced(flat_fn(body), by_seq, "per-shard")
+    local_jaxpr, retraced = _per_shard(flat_fn(body), local, global_jaxpr)
+    seq_jaxpr, seq_retraced = _per_shard(flat_fn(body), by_seq, global_jaxpr)
     _same_equations(global_jaxpr.jaxpr, local_jaxpr.jaxpr)
     _same_equations(global_jaxpr.jaxpr, seq_jaxpr.jaxpr)
-    return Traces(global_jaxpr, local_jaxpr, seq_jaxpr, out_tree[0], jit_eqn)
+    both = [r for r in (retraced, seq_retraced) if r is not None]
+    unsure = frozenset().union(*(r.stand_ins | r.guessed for r in both))
+    return Traces(global_jaxpr, local_jaxpr, seq_jaxpr, out_tree[0], jit_eqn,
+                  both[0].why if both else "", unsure)
 
 
 def pair_vars(global_jaxpr, other_jaxpr) -> dict:
@@ -200,22 +214,31 @@ def _at(eqn) -> str:
     return f" at {display_path(frame[0])}:{frame[1]}" if frame else ""
 
 
-def _traced(fn, avals, which: str):
+def _python_trace(fn, avals):
+    return jax.make_jaxpr(fn)(*avals)
+
+
+def _per_shard(fn, avals, global_jaxpr):
+    """The step traced at one shard's shapes through its Python where that traces (and
+    None), else its global jaxpr traced again there (and the `Retraced`)."""
     try:
-        return jax.make_jaxpr(fn)(*avals)
+        return _python_trace(fn, avals), None
     except RewriteError:
         raise
     except Exception as e:  # the user's code, traced at shapes it was not written for
-        if which == "global":
-            raise
-        frame = user_frame_of(e.__traceback__)
-        message = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        error = e
+    frame = user_frame_of(error.__traceback__)
+    try:
+        retraced = retrace(global_jaxpr, avals)
+    except Unfit as unfit:
+        message = str(error).strip().splitlines()[0].rstrip(".") if str(error).strip() else ""
         raise RewriteError(
-            f"the step does not trace at one shard's shapes{frame}: {type(e).__name__}: {message}. "
-            "The routed layer runs per shard, so the step is traced with the batch and "
-            "sequence divided by their mesh degrees; build masks and positions from the "
-            "input's shape (x.shape[1]) rather than a configured length, or pass "
-            "batch_axes=/seq_axes= naming fewer axes") from None
+            f"the step does not trace at one shard's shapes{frame}: {type(error).__name__}: {message}; "
+            f"nor does its jaxpr ({unfit}). The routed layer runs per shard, so the step is "
+            "traced with the batch and sequence divided by their mesh degrees; build masks and "
+            "positions from the input's shape (x.shape[1]) rather than a configured length, or "
+            "pass batch_axes=/seq_axes= naming fewer axes") from None
+    return retraced.jaxpr, dataclasses.replace(retraced, why=f"{type(error).__name__}{frame}")
 
 
 def user_frame_of(traceback) -> str:

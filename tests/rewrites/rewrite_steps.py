@@ -125,13 +125,15 @@ def make_fsdp_moe_step(mesh):
     return train_step, (params, _batch(mesh))
 
 
-def make_config_mask_step(mesh, seq_len: int = SEQ):
+def make_config_mask_step(mesh, seq_len: int = SEQ, *, built_in_step: bool = False):
     """Causal self-attention with its mask built from the configured sequence length (not
-    from the input's shape), then the routed MoE."""
-    mask_SS = jnp.tril(jnp.ones((seq_len, seq_len), bool))
+    from the input's shape), then the routed MoE. The mask is a constant the step closes
+    over, or (`built_in_step`) built while the step traces, from iotas, as MaxText does."""
+    closed_over = jnp.tril(jnp.ones((seq_len, seq_len), bool))
 
     def block(params, x_BSD):
         b, s, d = x_BSD.shape
+        mask_SS = jnp.tril(jnp.ones((seq_len, seq_len), bool)) if built_in_step else closed_over
         q, k, v = ((x_BSD @ params[w]).reshape(b, s, HEADS, d // HEADS) for w in ("wq", "wk", "wv"))
         logits_BHSS = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(d // HEADS)
         probs_BHSS = jax.nn.softmax(jnp.where(mask_SS, logits_BHSS, -1e9), axis=-1)  # <- config mask
@@ -139,6 +141,19 @@ def make_config_mask_step(mesh, seq_len: int = SEQ):
         return x_BSD + routed_moe(params, x_BSD, TOP_K)
 
     params = {**_moe_params(mesh), **{w: _sds(mesh, (EMB, EMB)) for w in ("wq", "wk", "wv")}}
+    return _loss_step(block), (params, _batch(mesh))
+
+
+def make_token_mixing_step(mesh):
+    """A token-mixing layer (MLP-Mixer style: a learned [seq, seq] matrix of the configured
+    length contracted with the sequence), then the routed MoE. At one shard's shapes the
+    contraction meets a shard's sequence with the whole one."""
+
+    def block(params, x_BSD):
+        x_BSD = x_BSD + jnp.einsum("bsd,st->btd", x_BSD, params["w_mix"])  # <- whole sequence
+        return x_BSD + routed_moe(params, x_BSD, TOP_K)
+
+    params = {**_moe_params(mesh), "w_mix": _sds(mesh, (SEQ, SEQ))}
     return _loss_step(block), (params, _batch(mesh))
 
 
@@ -165,3 +180,18 @@ def make_gshard_step(mesh, capacity_factor: float = 1.0):
         return jnp.einsum("bsec,ebcd->bsd", combine_BSEC, expert_out_EBCD)
 
     return _loss_step(gshard_moe), (_moe_params(mesh), _batch(mesh))
+
+
+def make_scaled_tokens_step(mesh):
+    """The routed MoE with each flattened token scaled by a table of the configured
+    `(batch * seq)` length, inside the routed region (a shard's part of it is unknown)."""
+    scale_T = jnp.linspace(0.5, 1.5, BATCH * SEQ)
+
+    def moe(params, x_BSD):
+        b, s, d = x_BSD.shape
+        tokens_TD = x_BSD.reshape(b * s, d) * scale_T[:, None]   # <- configured length
+        weights_TK, experts_TK = _route(tokens_TD, params["w_gate"], TOP_K)
+        out_TD = _experts(tokens_TD, weights_TK, experts_TK, params["w_in"], params["w_out"])
+        return out_TD.reshape(b, s, d)
+
+    return _loss_step(moe), (_moe_params(mesh), _batch(mesh))

@@ -154,13 +154,50 @@ def test_traces_whose_scan_operands_differ_are_paired_by_use():
     assert len(tables) == 2 and pairs[tables[0]] is pairs[tables[1]]
 
 
+def _force_retrace(monkeypatch):
+    """The step's Python refuses one shard's shapes, as a step with a configured-length
+    mask does: the rewrite traces its jaxpr again there instead (`_retrace`)."""
+    from shardlint.rewrites import _trace
+
+    def refuse(fn, avals):
+        raise ValueError("Incompatible shapes for broadcasting (forced by the test)")
+
+    monkeypatch.setattr(_trace, "_python_trace", refuse)
+
+
+@pytest.mark.parametrize("name", [n for n in CASES if "capacity" not in n])
+def test_the_jaxpr_traced_again_gives_the_same_rewrite(name, monkeypatch):
+    """Where the step's Python traces at one shard's shapes, its jaxpr traced again there
+    must give what it gives: the same numbers, findings and memory."""
+    mesh, fn, args, _, _, after = _case(name)
+    _force_retrace(monkeypatch)
+    fixed = shardlint.rewrite(fn, mesh, args=args, analysis=_case(name)[4], **CASES[name][2])
+    assert "(ValueError at tests/rewrites/test_reach.py" in fixed.notes[0]
+    assert fixed.notes[0].endswith("its jaxpr was traced there instead")
+    retraced = shardlint.analyze(fixed, *args)
+    assert retraced.findings == after.findings == ()
+    # Not to the byte: numbers the step's Python draws from array sizes keep their global
+    # values in the retraced jaxpr (jnp's index wrap-around `i + T` where i < 0).
+    assert retraced.memory.temp_bytes == pytest.approx(after.memory.temp_bytes, rel=1e-3)
+    if not name.startswith("nnx"):
+        assert verify_same(fn, fixed, args, rtol=1e-5, atol=1e-6)
+
+
+def test_a_retraced_step_cannot_opt_in_to_per_shard_capacity(monkeypatch):
+    mesh, fn, args, *_ = _case("gshard, per-shard capacity")
+    _force_retrace(monkeypatch)
+    with pytest.raises(shardlint.RewriteError, match=r"cumsum over the token dimension at .*rewrite_steps\.py:\d+ "
+                                                     r".*capacity='per-shard' cannot help here"):
+        shardlint.rewrite(fn, mesh, args=args, capacity="per-shard")
+
+
 @functools.cache
-def _scan_temps(context: int) -> tuple[int, int]:
-    """Per-device temp bytes of the scanned remat step before and after the rewrite, on
-    `context` devices that shard only the sequence (the batch per device stays the same)."""
+def _temps(make, context: int) -> tuple[int, int]:
+    """Per-device temp bytes of `make`'s step before and after the rewrite, on `context`
+    devices that shard only the sequence (the batch per device stays the same)."""
     devices = np.array(jax.devices()[:context]).reshape(1, context)
     mesh = jax.sharding.Mesh(devices, ("data", "context"), axis_types=(AxisType.Auto,) * 2)
-    fn, args = cause_steps.make_scanned_layers_step(mesh)
+    fn, args = make(mesh)
     before = shardlint.analyze(fn, *args)
     if context == 1:
         return before.memory.temp_bytes, before.memory.temp_bytes
@@ -169,11 +206,13 @@ def _scan_temps(context: int) -> tuple[int, int]:
 
 
 @pytest.mark.parametrize("context", [2, 4, 8])
-def test_scanned_remat_temp_memory_falls_with_the_context_degree(context):
-    before, after = _scan_temps(context)
+@pytest.mark.parametrize("make", [cause_steps.make_scanned_layers_step, rewrite_steps.make_config_mask_step],
+                         ids=["scan+remat", "config-length mask"])
+def test_temp_memory_falls_with_the_context_degree(make, context):
+    before, after = _temps(make, context)
     # Ideal per-device temp: the unsharded sequence's (one device) over the context
     # degree. The rewritten step stays within 15% of it; the original does not.
-    ideal = _scan_temps(1)[0] / context
+    ideal = _temps(make, 1)[0] / context
     assert after <= 1.15 * ideal
     assert before > 1.15 * ideal
 
@@ -189,21 +228,50 @@ def test_flattened_routing_leaving_the_step_is_refused_never_miscomputed():
         shardlint.rewrite(fn, mesh, args=args)
 
 
-def test_config_length_mask_is_refused_with_the_line_and_the_way_out():
+@functools.cache
+def _config_mask_case(built_in_step: bool):
     mesh = _mesh(4)
-    fn, args = rewrite_steps.make_config_mask_step(mesh)
-    with pytest.raises(shardlint.RewriteError, match=r"rewrite_steps\.py:\d+ .*x\.shape\[1\]"):
+    fn, args = rewrite_steps.make_config_mask_step(mesh, built_in_step=built_in_step)
+    before = shardlint.analyze(fn, *args)
+    fixed = shardlint.rewrite(fn, mesh, args=args, analysis=before)
+    return fn, args, fixed, before, shardlint.analyze(fixed, *args)
+
+
+def _in_the_moe(analysis):
+    return [f for f in analysis.findings if f.source and f.source.file.endswith("examples/steps.py")]
+
+
+@pytest.mark.parametrize("built_in_step", [False, True], ids=["closed-over mask", "mask built in the step"])
+def test_config_length_mask_is_rewritten(built_in_step):
+    """The step does not trace at one shard's shapes (the mask meets shard-sized scores);
+    its jaxpr is traced again there instead, and the MoE runs per shard."""
+    fn, args, fixed, before, after = _config_mask_case(built_in_step)
+    assert fixed.changed is True
+    assert _in_the_moe(before) and _in_the_moe(after) == []
+    # The attention's own findings (its scores read the whole sequence) stay: not the MoE's.
+    assert {f.source.file for f in after.findings} == {"tests/rewrites/rewrite_steps.py"}
+    assert after.memory.temp_bytes < before.memory.temp_bytes / 2
+    assert verify_same(fn, fixed, args, rtol=1e-5, atol=1e-6)
+
+
+def test_a_contraction_with_the_configured_length_is_refused_with_the_line_and_the_way_out():
+    mesh = _mesh(4)
+    fn, args = rewrite_steps.make_token_mixing_step(mesh)
+    with pytest.raises(shardlint.RewriteError,
+                       match=r"rewrite_steps\.py:\d+ .*nor does its jaxpr \(an input of the step "
+                             r"\(float32\[64,64\]\) keeps its size per shard and meets a shard's tokens\).*"
+                             r"x\.shape\[1\]"):
         shardlint.rewrite(fn, mesh, args=args)
 
 
-@pytest.mark.xfail(reason="a mask built from the configured sequence length does not trace at "
-                          "one shard's shapes; the rewrite refuses it (see the test above) "
-                          "instead of slicing it per shard", strict=True)
-def test_config_length_mask_is_rewritten():
+def test_a_configured_table_read_in_the_routed_region_is_refused():
+    # Its per-shard trace has it at a shard's size only; which part is a shard's, that
+    # trace cannot say (tokens in per-shard order are not a block of the global order).
     mesh = _mesh(4)
-    fn, args = rewrite_steps.make_config_mask_step(mesh)
-    fixed = shardlint.rewrite(fn, mesh, args=args)
-    assert verify_same(fn, fixed, args, rtol=1e-5, atol=1e-6)
+    fn, args = rewrite_steps.make_scaled_tokens_step(mesh)
+    with pytest.raises(shardlint.RewriteError, match=r"rewrite_steps\.py:\d+ in the routed region reads "
+                                                     r"float32\[512\], whose part on each shard is not known"):
+        shardlint.rewrite(fn, mesh, args=args)
 
 
 def test_cli_takes_the_token_axes_and_report_shows_a_refusal(tmp_path, capsys):
