@@ -154,25 +154,14 @@ def test_traces_whose_scan_operands_differ_are_paired_by_use():
     assert len(tables) == 2 and pairs[tables[0]] is pairs[tables[1]]
 
 
-def _force_retrace(monkeypatch):
-    """The step's Python refuses one shard's shapes, as a step with a configured-length
-    mask does: the rewrite traces its jaxpr again there instead (`_retrace`)."""
-    from shardlint.rewrites import _trace
-
-    def refuse(fn, avals):
-        raise ValueError("Incompatible shapes for broadcasting (forced by the test)")
-
-    monkeypatch.setattr(_trace, "_python_trace", refuse)
-
-
 @pytest.mark.parametrize("name", [n for n in CASES if "capacity" not in n])
-def test_the_jaxpr_traced_again_gives_the_same_rewrite(name, monkeypatch):
+def test_the_jaxpr_traced_again_gives_the_same_rewrite(name, request):
     """Where the step's Python traces at one shard's shapes, its jaxpr traced again there
     must give what it gives: the same numbers, findings and memory."""
     mesh, fn, args, _, _, after = _case(name)
-    _force_retrace(monkeypatch)
+    request.getfixturevalue("retraced_only")   # after the Python route's result is cached
     fixed = shardlint.rewrite(fn, mesh, args=args, analysis=_case(name)[4], **CASES[name][2])
-    assert "(ValueError at tests/rewrites/test_reach.py" in fixed.notes[0]
+    assert "(ValueError at tests/conftest.py" in fixed.notes[0]
     assert fixed.notes[0].endswith("its jaxpr was traced there instead")
     retraced = shardlint.analyze(fixed, *args)
     assert retraced.findings == after.findings == ()
@@ -183,9 +172,9 @@ def test_the_jaxpr_traced_again_gives_the_same_rewrite(name, monkeypatch):
         assert verify_same(fn, fixed, args, rtol=1e-5, atol=1e-6)
 
 
-def test_a_retraced_step_cannot_opt_in_to_per_shard_capacity(monkeypatch):
+def test_a_retraced_step_cannot_opt_in_to_per_shard_capacity(request):
     mesh, fn, args, *_ = _case("gshard, per-shard capacity")
-    _force_retrace(monkeypatch)
+    request.getfixturevalue("retraced_only")
     with pytest.raises(shardlint.RewriteError, match=r"cumsum over the token dimension at .*rewrite_steps\.py:\d+ "
                                                      r".*capacity='per-shard' cannot help here"):
         shardlint.rewrite(fn, mesh, args=args, capacity="per-shard")
