@@ -42,3 +42,10 @@ class RewriteError(ShardlintError):
 
 class NothingToRewrite(UserWarning):
     """`shardlint.rewrite` found no routed region that loses sharding: the step is unchanged."""
+
+
+def first_line(error: BaseException) -> str:
+    """The first line of an exception's text, without its closing full stop: what a
+    message that quotes someone else's error keeps of it."""
+    text = str(error).strip()
+    return text.splitlines()[0].rstrip(".") if text else ""

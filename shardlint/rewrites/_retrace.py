@@ -32,6 +32,7 @@ import jax
 import numpy as np
 
 from .. import _jax
+from .._errors import first_line
 from ._replay import read
 from ._subjaxprs import sub_of
 
@@ -158,8 +159,7 @@ class _Replay:
             resized = _mend(eqn, invals)
             if resized:
                 raise _Meets(resized) from None
-            raise Unfit(f"{name} does not bind at one shard's shapes: "
-                        f"{str(e).strip().splitlines()[0].rstrip('.')}") from None
+            raise Unfit(f"{name} does not bind at one shard's shapes: {first_line(e)}") from None
         if _elementwise(eqn):
             self._settle(eqn)
         return list(out) if eqn.primitive.multiple_results else [out]

@@ -22,7 +22,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from .. import _jax
-from .._errors import NothingToRewrite, RewriteError, ShardlintError
+from .._errors import NothingToRewrite, RewriteError, ShardlintError, first_line
 from ._emit import emit
 from ._regions import plan_regions
 from ._step import JittedStep
@@ -200,10 +200,9 @@ def _build_or_refuse(result: JittedStep, args) -> None:
     except ShardlintError:
         raise
     except Exception as e:  # JAX refused what the rewrite emitted
-        message = str(e).strip().splitlines()[0] if str(e).strip() else ""
         raise RewriteError(
             f"the rewritten step does not trace{user_frame_of(e.__traceback__)}: {type(e).__name__}: "
-            f"{message}. The step is left as it is; name the token axes with batch_axes=/seq_axes= "
+            f"{first_line(e)}. The step is left as it is; name the token axes with batch_axes=/seq_axes= "
             "(CLI --batch-axes/--seq-axes) if the analysis chose them wrongly, or report it "
             "with this message") from None
 

@@ -32,7 +32,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from .. import _jax
-from .._errors import RewriteError
+from .._errors import RewriteError, first_line
 from ..analyzer._compile import parameter_argnums
 from ..analyzer._stack import display_path, is_library_file
 from ._replay import inner_jaxpr
@@ -230,12 +230,12 @@ def _per_shard(fn, avals, global_jaxpr):
     frame = user_frame_of(error.__traceback__)
     try:
         retraced = retrace(global_jaxpr, avals)
-    except Unfit as unfit:
-        message = str(error).strip().splitlines()[0].rstrip(".") if str(error).strip() else ""
+    except Exception as e:  # Unfit, or JAX refusing an equation in a way `_retrace` does not know
+        unfit = e if isinstance(e, Unfit) else f"{type(e).__name__}: {first_line(e)}"
         raise RewriteError(
-            f"the step does not trace at one shard's shapes{frame}: {type(error).__name__}: {message}; "
-            f"nor does its jaxpr ({unfit}). The routed layer runs per shard, so the step is "
-            "traced with the batch and sequence divided by their mesh degrees; build masks and "
+            f"the step does not trace at one shard's shapes{frame}: {type(error).__name__}: "
+            f"{first_line(error)}; nor does its jaxpr ({unfit}). The routed layer runs per shard, "
+            "so the step is traced with the batch and sequence divided by their mesh degrees; build masks and "
             "positions from the input's shape (x.shape[1]) rather than a configured length, or "
             "pass batch_axes=/seq_axes= naming fewer axes") from None
     return retraced.jaxpr, dataclasses.replace(retraced, why=f"{type(error).__name__}{frame}")
