@@ -34,14 +34,10 @@ import numpy as np
 from .. import _jax
 from .._errors import first_line
 from ._replay import read
+from ._shard_shapes import FOLLOWS_FIRST, Unfit, broadcast_shape, elementwise, fitted, mend, reshaped
 from ._subjaxprs import sub_of
 
 _ATTEMPTS = 64
-# Results shaped like their first operand whatever the others' sizes.
-_FOLLOWS_FIRST = ("scatter", "scatter-add", "scatter_add", "scatter-mul", "scatter_mul", "scatter-min",
-                  "scatter-max", "scatter_min", "scatter_max", "dynamic_update_slice")
-# Ops whose operands may look like an elementwise op's (of size 1 where the result is not).
-_NOT_ELEMENTWISE = ("concatenate", "pad", "dynamic_update_slice", "dynamic_slice")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,10 +49,6 @@ class Retraced:
     # results of reshapes that split a shrunk dimension in a way nothing they met settled
     guessed: frozenset = frozenset()
     why: str = ""            # why the step's own trace was not used
-
-
-class Unfit(Exception):
-    """The global jaxpr does not bind again at one shard's shapes."""
 
 
 class _Meets(Exception):
@@ -141,13 +133,13 @@ class _Replay:
         name = eqn.primitive.name
         resized = self.sizes.get(eqn.outvars[0]) if len(eqn.outvars) == 1 else None
         if name == "broadcast_in_dim":
-            params["shape"] = resized or _broadcast_shape(eqn, np.shape(invals[0]))
+            params["shape"] = resized or broadcast_shape(eqn, np.shape(invals[0]))
         elif name == "iota" and resized:
             params["shape"] = resized
         elif name == "reshape" and resized:
             params["new_sizes"] = resized
         elif name == "reshape" and params.get("dimensions") is None:
-            params["new_sizes"], guessed = _reshaped(eqn.invars[0].aval.shape, np.shape(invals[0]),
+            params["new_sizes"], guessed = reshaped(eqn.invars[0].aval.shape, np.shape(invals[0]),
                                                      params["new_sizes"])
             if guessed:
                 self.guesses[eqn.outvars[0]] = (eqn.outvars[0], guessed)
@@ -156,11 +148,11 @@ class _Replay:
             with _jax.as_traced(eqn):
                 out = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(params))
         except (TypeError, ValueError, AssertionError) as e:   # add_any asserts its types
-            resized = _mend(eqn, invals)
+            resized = mend(eqn, invals)
             if resized:
                 raise _Meets(resized) from None
             raise Unfit(f"{name} does not bind at one shard's shapes: {first_line(e)}") from None
-        if _elementwise(eqn):
+        if elementwise(eqn):
             self._settle(eqn)
         return list(out) if eqn.primitive.multiple_results else [out]
 
@@ -168,7 +160,7 @@ class _Replay:
         """A guessed split met by a value of a known shape along the split's dimensions is
         settled; what is computed from guessed values alone has their guess."""
         shape = eqn.outvars[0].aval.shape
-        operands = [a for a in eqn.invars if not _jax.is_literal(a) and _fitted(a.aval.shape, shape, shape)]
+        operands = [a for a in eqn.invars if not _jax.is_literal(a) and fitted(a.aval.shape, shape, shape)]
         guessed = [a for a in operands if a in self.guesses]
         for a in guessed:
             split, dims = self.guesses[a]
@@ -275,7 +267,7 @@ class _Graph:
             operand = eqn.invars[0]
             if math.prod(shape) == math.prod(shapes[operand]):
                 return []
-            return [(operand, _reshaped(var.aval.shape, shape, operand.aval.shape)[0])]
+            return [(operand, reshaped(var.aval.shape, shape, operand.aval.shape)[0])]
         if name == "broadcast_in_dim":
             out = var.aval.shape
             return [(a, tuple(shape[d] if n == out[d] else n
@@ -289,152 +281,8 @@ class _Graph:
         if name == "concatenate":
             axis = eqn.params["dimension"]
             return [(a, shape[:axis] + (shapes[a][axis],) + shape[axis + 1:]) for a in operands]
-        if _elementwise(eqn) or name in _FOLLOWS_FIRST:
-            fitted = [(a, _fitted(a.aval.shape, var.aval.shape, shape))
-                      for a in (operands[:1] if name in _FOLLOWS_FIRST else operands)]
-            return [(a, wanted) for a, wanted in fitted if wanted is not None]
+        if elementwise(eqn) or name in FOLLOWS_FIRST:
+            wanted_of = [(a, fitted(a.aval.shape, var.aval.shape, shape))
+                      for a in (operands[:1] if name in FOLLOWS_FIRST else operands)]
+            return [(a, wanted) for a, wanted in wanted_of if wanted is not None]
         raise Unfit(f"{var.aval.str_short()} made by {name} meets a value of another size")
-
-
-def _mend(eqn, invals) -> dict:
-    """The operands to rebuild, and at which shapes, for `eqn` to bind on `invals`: {}
-    where that is not known."""
-    name = eqn.primitive.name
-    if _elementwise(eqn):
-        return _met(eqn, invals)
-    if name == "concatenate":
-        return _met_along(eqn, invals, eqn.params["dimension"])
-    if name == "dot_general":
-        return _met_contracting(eqn, invals)
-    if name.startswith("scatter"):
-        return _scatter_met(eqn, invals)
-    return {}
-
-
-def _elementwise(eqn) -> bool:
-    """Results all of one shape, and operands of that shape, or scalars, or of size 1
-    where they broadcast (a sort's several results too)."""
-    if not eqn.outvars or sub_of(eqn) is not None or eqn.primitive.name in _NOT_ELEMENTWISE:
-        return False
-    shape = eqn.outvars[0].aval.shape
-    return (all(v.aval.shape == shape for v in eqn.outvars)
-            and all(_jax.is_literal(a) or _fitted(a.aval.shape, shape, shape) is not None for a in eqn.invars))
-
-
-def _fitted(operand, result, target) -> tuple | None:
-    """An elementwise operand's shape for a result at `target`: the target where the
-    operand has the result's size, 1 where it broadcasts; None for a scalar."""
-    if not operand or len(operand) != len(result):
-        return None
-    if any(n not in (g, 1) for n, g in zip(operand, result)):
-        return None
-    return tuple(t if n == g else 1 for n, g, t in zip(operand, result, target))
-
-
-def _met(eqn, invals) -> dict:
-    """The operands of an elementwise op to rebuild. Each dimension takes its size from
-    the operand that shrank along the most dimensions and does not broadcast there (the
-    others still have a global size, or a guessed split)."""
-    result = eqn.outvars[0].aval.shape
-    operands = [(a.aval.shape, np.shape(x)) for a, x in zip(eqn.invars, invals)
-                if not _jax.is_literal(a) and _fitted(a.aval.shape, result, result)]
-    operands.sort(key=lambda o: -sum(n != g for n, g in zip(o[1], o[0])))
-    target = tuple(next((s[d] for g, s in operands if g[d] == result[d]), result[d])
-                   for d in range(len(result)))
-    resized = {}
-    for a, x in zip(eqn.invars, invals):
-        wanted = None if _jax.is_literal(a) else _fitted(a.aval.shape, result, target)
-        if wanted is not None and np.shape(x) != wanted:
-            resized[a] = wanted
-    return resized
-
-
-def _met_along(eqn, invals, axis: int) -> dict:
-    """The operands of a concatenation to rebuild: along every other dimension, at the
-    size of the operand that shrank along the most dimensions."""
-    shapes = {a: np.shape(x) for a, x in zip(eqn.invars, invals) if not _jax.is_literal(a)}
-    target = max(shapes.values(), key=lambda s: sum(n != g for n, g in zip(s, eqn.outvars[0].aval.shape)))
-    wanted = {a: target[:axis] + (s[axis],) + target[axis + 1:] for a, s in shapes.items()}
-    return {a: w for a, w in wanted.items() if w != shapes[a]}
-
-
-def _met_contracting(eqn, invals) -> dict:
-    """The operand of a dot_general to rebuild where its contracting or batch dimensions
-    do not match the other's: at the size of the one that shrank along more of them."""
-    (lhs_c, rhs_c), (lhs_b, rhs_b) = eqn.params["dimension_numbers"]
-    pairs = list(zip((*lhs_c, *lhs_b), (*rhs_c, *rhs_b)))
-    sides = [(a, np.shape(x), [p[k] for p in pairs]) for k, (a, x) in enumerate(zip(eqn.invars, invals[:2]))]
-    shrunk = [sum(shape[d] != a.aval.shape[d] for d in dims) for a, shape, dims in sides]
-    if shrunk[0] == shrunk[1]:
-        return {}
-    (_, known, known_dims), (other, shape, dims) = sides if shrunk[0] > shrunk[1] else sides[::-1]
-    wanted = list(shape)
-    for k, d in zip(known_dims, dims):
-        wanted[d] = known[k]
-    return {other: tuple(wanted)} if tuple(wanted) != shape else {}
-
-
-def _scatter_met(eqn, invals) -> dict:
-    """A scatter's operand and updates to rebuild where they do not match its indices'
-    shard size: the updates' scatter dimensions are the indices' (all but the last, JAX's
-    index vector), the operand's batching dimensions the indices' batching ones."""
-    operand, indices, updates = (np.shape(x) for x in invals[:3])
-    numbers = eqn.params["dimension_numbers"]
-    window = set(numbers.update_window_dims)
-    batch = iter(indices[:-1])
-    wanted = {2: tuple(n if d in window else next(batch, n) for d, n in enumerate(updates)),
-              0: list(operand)}
-    for od, idx in zip(getattr(numbers, "operand_batching_dims", ()),
-                       getattr(numbers, "scatter_indices_batching_dims", ())):
-        wanted[0][od] = indices[idx]
-    wanted[0] = tuple(wanted[0])
-    return {eqn.invars[k]: shape for k, shape in wanted.items()
-            if shape != np.shape(invals[k]) and not _jax.is_literal(eqn.invars[k])}
-
-
-def _broadcast_shape(eqn, operand_shape) -> tuple:
-    """A broadcast's result at the operand's size along the dimensions it maps."""
-    shape = list(eqn.params["shape"])
-    global_operand = eqn.invars[0].aval.shape if not _jax.is_literal(eqn.invars[0]) else ()
-    for n, g, d in zip(operand_shape, global_operand, eqn.params["broadcast_dimensions"]):
-        if g == shape[d]:
-            shape[d] = n
-    return tuple(shape)
-
-
-def _reshaped(global_in, local_in, global_out) -> tuple[tuple, tuple]:
-    """A reshape's result at one shard's size, and which of its dimensions are a guess.
-    The dimensions split into the smallest segments of equal size on both sides; a
-    segment's result dimensions shrink by what its operand dimensions shrank, the outermost
-    first. Where a shrunk segment splits into several dimensions that are not 1, that is a
-    guess, which `_Meets` mends where the result meets a value of another shape."""
-    out = list(global_out)
-    guessed: tuple = ()
-    i = j = 0
-    while i < len(global_in) or j < len(out):
-        i0, j0, size_in, size_out = i, j, 1, 1
-        if i < len(global_in):
-            size_in, i = global_in[i], i + 1
-        if j < len(out):
-            size_out, j = out[j], j + 1
-        while size_in != size_out:
-            if size_in < size_out and i < len(global_in):
-                size_in, i = size_in * global_in[i], i + 1
-            elif size_out < size_in and j < len(out):
-                size_out, j = size_out * out[j], j + 1
-            else:
-                raise Unfit(f"a reshape of {tuple(global_in)} to {tuple(global_out)} has no segments")
-        local = math.prod(local_in[i0:i])
-        if local == size_in:
-            continue
-        if size_in % local:
-            raise Unfit(f"a reshape of {tuple(global_in)} to {tuple(global_out)} does not divide "
-                        f"at one shard's size {tuple(local_in)}")
-        if sum(n != 1 for n in out[j0:j]) > 1:
-            guessed += tuple(range(j0, j))
-        factor = size_in // local
-        for d in range(j0, j):
-            take = math.gcd(factor, out[d])
-            out[d] //= take
-            factor //= take
-    return tuple(out), guessed

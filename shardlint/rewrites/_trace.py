@@ -36,7 +36,8 @@ from .._errors import RewriteError, first_line
 from ..analyzer._compile import parameter_argnums
 from ..analyzer._stack import display_path, is_library_file
 from ._replay import inner_jaxpr
-from ._retrace import Unfit, retrace
+from ._retrace import retrace
+from ._shard_shapes import Unfit
 from ._subjaxprs import sub_of
 
 
