@@ -96,7 +96,7 @@ class _Planner:
     def __init__(self, axes, specs, doubly, local_of, seed_lines, per_shard_capacity, traces):
         self.grower = Grower(axes, specs, doubly, seed_lines, per_shard_capacity)
         self.local_of = local_of
-        self.retraced, self.unsure = traces.retraced, traces.unsure
+        self.retraced, self.unsure = bool(traces.retraced), traces.unsure
 
     def level(self, jaxpr, consts, local, local_consts, *, scrambled_in=None,
               stacked_in=frozenset(), built_in=None, positional_in=frozenset(),

@@ -150,7 +150,9 @@ def rewrite(step: Callable, mesh, *, verify: bool = False, args: tuple | None = 
     capacity, which changes which tokens drop, so it is opt-in; by default such a region
     is refused. With `verify=True` (needs `args`) both versions run once on random inputs
     of the real shapes and a `RewriteError` is raised if any output differs beyond float32
-    tolerance. The result behaves like a jitted function (`__call__`, `trace`, `lower`);
+    tolerance. A step whose Python does not trace at one shard's shapes (a mask of the
+    configured length) has its jaxpr traced there instead (`result.retraced` says why) and
+    its numbers verified so whenever `args` is given. The result behaves like a jitted function (`__call__`, `trace`, `lower`);
     `result.changed` says whether anything was rewritten (known once built for some
     arguments: at once when `args` is given), and a `NothingToRewrite` warning says so
     when nothing was.
