@@ -83,8 +83,7 @@ class RewrittenStep(JittedStep):
         traces = trace_step(self.step, args, axes, self.mesh)
         if traces.retraced:
             self.retraced = traces.retraced
-            self.notes.append(f"the step does not trace at one shard's shapes ({traces.retraced}): "
-                              "its jaxpr was traced there instead")
+            self.notes.append(f"{traces.retraced}: its jaxpr was traced there instead")
             self.progress(self.notes[-1])
         plan = plan_regions(traces, axes, seed_lines=lost.lines if lost else frozenset(),
                             per_shard_capacity=self.per_shard_capacity)
@@ -151,8 +150,9 @@ def rewrite(step: Callable, mesh, *, verify: bool = False, args: tuple | None = 
     is refused. With `verify=True` (needs `args`) both versions run once on random inputs
     of the real shapes and a `RewriteError` is raised if any output differs beyond float32
     tolerance. A step whose Python does not trace at one shard's shapes (a mask of the
-    configured length) has its jaxpr traced there instead (`result.retraced` says why) and
-    its numbers verified so whenever `args` is given. The result behaves like a jitted function (`__call__`, `trace`, `lower`);
+    configured length), or traces into other equations there, has its jaxpr traced there
+    instead (`result.retraced` says why) and its numbers verified so whenever `args` is
+    given. The result behaves like a jitted function (`__call__`, `trace`, `lower`);
     `result.changed` says whether anything was rewritten (known once built for some
     arguments: at once when `args` is given), and a `NothingToRewrite` warning says so
     when nothing was.

@@ -3,17 +3,18 @@
 The step is traced at its global shapes, at one shard's shapes (the data arguments'
 batch and sequence dimensions divided by their mesh degrees), and with only the sequence
 divided. The traces have the same equations (the user's code runs the same way at any
-size), inside jit, scan and checkpoint bodies too, and their values are paired where the
-equations use them (`pair_vars`); a value whose dimension shrinks carries tokens along
-it, and by how much says which mesh axes shard it. Only data
+size, or is made to: below), inside jit, scan and checkpoint bodies too, and their values
+are paired where the equations use them (`pair_vars`); a value whose dimension shrinks
+carries tokens along it, and by how much says which mesh axes shard it. Only data
 arguments shrink: parameters and optimizer state (the positional arguments a training
 step returns, as the analyzer reads them) keep their global shapes however they are
 sharded, so FSDP weights stay what they are.
 
 A step whose Python does not trace at one shard's shapes (a mask of the configured
-sequence length meets a shard's scores) is traced there from its global jaxpr instead
-(`_retrace`); the values whose shard's content or shape that trace cannot tell are
-`unsure`: a shard never rebuilds them (`Builders`) and no region may read them.
+sequence length meets a shard's scores), or traces into other equations there (a Python
+branch on an array's size), is traced there from its global jaxpr instead (`_retrace`);
+the values whose shard's content or shape that trace cannot tell are `unsure`: a shard
+never rebuilds them (`Builders`) and no region may read or make them.
 
 A pre-jitted step (`jax.jit` with shardings and donation, or the jit inside `nnx.jit`) is
 traced through the function it wraps, so that its in-shardings are not checked against
@@ -102,8 +103,6 @@ def trace_step(step: Callable, args: tuple, axes: TokenAxes, mesh) -> Traces:
     by_seq = [_shrunk(x, s, axes, 1, ns) if d else a for x, s, d, a in zip(flat, specs, data, abstract)]
     local_jaxpr, retraced = _per_shard(flat_fn(body), local, global_jaxpr)
     seq_jaxpr, seq_retraced = _per_shard(flat_fn(body), by_seq, global_jaxpr)
-    _same_equations(global_jaxpr.jaxpr, local_jaxpr.jaxpr)
-    _same_equations(global_jaxpr.jaxpr, seq_jaxpr.jaxpr)
     both = [r for r in (retraced, seq_retraced) if r is not None]
     unsure = frozenset().union(*(r.stand_ins | r.guessed for r in both))
     return Traces(global_jaxpr, local_jaxpr, seq_jaxpr, out_tree[0], jit_eqn,
@@ -197,17 +196,19 @@ def _pair(a, b, pairs: dict) -> None:
     pairs[a] = b
 
 
-def _same_equations(g, o) -> None:
-    if not _same_primitives(g, o):
-        where = next((e for e, f in zip(g.eqns, o.eqns) if e.primitive.name != f.primitive.name), None)
-        raise RewriteError(
-            "the step traces differently at per-shard shapes (shape-dependent Python control "
-            f"flow{_at(where)}?): it cannot be rewritten per shard. Make the branch depend on "
-            "the configuration, not on the array sizes")
-    for e, f in zip(g.eqns, o.eqns):
-        g_sub, o_sub = sub_of(e), sub_of(f)
-        if g_sub is not None and o_sub is not None:
-            _same_equations(g_sub.jaxpr, o_sub.jaxpr)
+def _first_difference(g, o):
+    """The first equation of `g` whose primitive `o` does not have at the same place
+    (bodies included), `g`'s last one if `o` has more or fewer, None if none."""
+    if _same_primitives(g, o):
+        for e, f in zip(g.eqns, o.eqns):
+            g_sub, o_sub = sub_of(e), sub_of(f)
+            if g_sub is not None and o_sub is not None:
+                where = _first_difference(g_sub.jaxpr, o_sub.jaxpr)
+                if where is not None:
+                    return where
+        return None
+    return next((e for e, f in zip(g.eqns, o.eqns) if e.primitive.name != f.primitive.name),
+                g.eqns[-1] if g.eqns else None)
 
 
 def _at(eqn) -> str:
@@ -220,26 +221,39 @@ def _python_trace(fn, avals):
 
 
 def _per_shard(fn, avals, global_jaxpr):
-    """The step traced at one shard's shapes through its Python where that traces (and
-    None), else its global jaxpr traced again there (and the `Retraced`)."""
+    """The step traced at one shard's shapes through its Python where that traces into the
+    same equations (and None), else its global jaxpr traced again there (and the
+    `Retraced`, with why)."""
     try:
-        return _python_trace(fn, avals), None
+        local = _python_trace(fn, avals)
     except RewriteError:
         raise
-    except Exception as e:  # the user's code, traced at shapes it was not written for
-        error = e
-    frame = user_frame_of(error.__traceback__)
+    except Exception as error:  # the user's code, traced at shapes it was not written for
+        frame = user_frame_of(error.__traceback__)
+        why = f"the step does not trace at one shard's shapes ({type(error).__name__}{frame})"
+        return _retraced(global_jaxpr, avals, why, (
+            f"the step does not trace at one shard's shapes{frame}: {type(error).__name__}: "
+            f"{first_line(error)}"), "build masks and positions from the input's shape (x.shape[1]) "
+            "rather than a configured length")
+    where = _first_difference(global_jaxpr.jaxpr, local.jaxpr)
+    if where is None:
+        return local, None
+    why = f"the step traces into other equations at one shard's shapes{_at(where)}"
+    return _retraced(global_jaxpr, avals, why, (
+        "the step traces differently at one shard's shapes (shape-dependent Python control "
+        f"flow{_at(where)}?)"), "make the branch depend on the configuration, not on the array sizes")
+
+
+def _retraced(global_jaxpr, avals, why: str, refusal: str, way_out: str):
     try:
         retraced = retrace(global_jaxpr, avals)
     except Exception as e:  # Unfit, or JAX refusing an equation in a way `_retrace` does not know
         unfit = e if isinstance(e, Unfit) else f"{type(e).__name__}: {first_line(e)}"
         raise RewriteError(
-            f"the step does not trace at one shard's shapes{frame}: {type(error).__name__}: "
-            f"{first_line(error)}; nor does its jaxpr ({unfit}). The routed layer runs per shard, "
-            "so the step is traced with the batch and sequence divided by their mesh degrees; build masks and "
-            "positions from the input's shape (x.shape[1]) rather than a configured length, or "
-            "pass batch_axes=/seq_axes= naming fewer axes") from None
-    return retraced.jaxpr, dataclasses.replace(retraced, why=f"{type(error).__name__}{frame}")
+            f"{refusal}; nor does its jaxpr ({unfit}). The routed layer runs per shard, so the "
+            f"step is traced with the batch and sequence divided by their mesh degrees; {way_out}, "
+            "or pass batch_axes=/seq_axes= naming fewer axes") from None
+    return retraced.jaxpr, dataclasses.replace(retraced, why=why)
 
 
 def user_frame_of(traceback) -> str:

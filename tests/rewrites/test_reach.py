@@ -6,6 +6,7 @@ parameters) is unchanged, and per-device temp memory falls with the context degr
 from __future__ import annotations
 
 import functools
+import re
 
 import jax
 import numpy as np
@@ -240,6 +241,19 @@ def test_config_length_mask_is_rewritten(built_in_step):
     # The attention's own findings (its scores read the whole sequence) stay: not the MoE's.
     assert {f.source.file for f in after.findings} == {"tests/rewrites/rewrite_steps.py"}
     assert after.memory.temp_bytes < before.memory.temp_bytes / 2
+    assert verify_same(fn, fixed, args, rtol=1e-5, atol=1e-6)
+
+
+def test_a_branch_on_the_sequence_length_is_rewritten_as_the_step_runs_it():
+    """At one shard's shapes the step's Python takes the other branch; its jaxpr, traced
+    again there, keeps the branch the step runs, so the numbers stay the same."""
+    mesh = _mesh(4)
+    fn, args = rewrite_steps.make_size_branch_step(mesh)
+    fixed = shardlint.rewrite(fn, mesh, args=args)   # verifies the numbers
+    assert fixed.changed is True
+    assert re.fullmatch(r"the step traces into other equations at one shard's shapes at "
+                        r"tests/rewrites/rewrite_steps\.py:\d+: its jaxpr was traced there instead", fixed.notes[0])
+    assert shardlint.analyze(fixed, *args).findings == ()
     assert verify_same(fn, fixed, args, rtol=1e-5, atol=1e-6)
 
 
