@@ -197,14 +197,19 @@ def make_scaled_tokens_step(mesh):
     return _loss_step(moe), (_moe_params(mesh), _batch(mesh))
 
 
-def make_size_branch_step(mesh):
+def make_size_branch_step(mesh, *, mixing: bool = False):
     """The routed MoE after an RMS norm that a Python branch on the sequence length turns
     on for long sequences: one shard's sequence is short, so the step's Python traces into
-    other equations there."""
+    other equations there. `mixing`: the branch mixes tokens with a learned [seq, seq]
+    matrix instead (as `make_token_mixing_step`), which no per-shard trace can follow."""
 
     def block(params, x_BSD):
         if x_BSD.shape[1] >= SEQ:   # <- a branch on the array's size
-            x_BSD = x_BSD * jax.lax.rsqrt(jnp.mean(x_BSD ** 2, axis=-1, keepdims=True) + 1e-6)
+            if mixing:
+                x_BSD = x_BSD + jnp.einsum("bsd,st->btd", x_BSD, params["w_mix"])
+            else:
+                x_BSD = x_BSD * jax.lax.rsqrt(jnp.mean(x_BSD ** 2, axis=-1, keepdims=True) + 1e-6)
         return x_BSD + routed_moe(params, x_BSD, TOP_K)
 
-    return _loss_step(block), (_moe_params(mesh), _batch(mesh))
+    params = {**_moe_params(mesh), **({"w_mix": _sds(mesh, (SEQ, SEQ))} if mixing else {})}
+    return _loss_step(block), (params, _batch(mesh))

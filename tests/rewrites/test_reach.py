@@ -257,6 +257,16 @@ def test_a_branch_on_the_sequence_length_is_rewritten_as_the_step_runs_it():
     assert verify_same(fn, fixed, args, rtol=1e-5, atol=1e-6)
 
 
+def test_a_branch_on_the_sequence_length_that_no_trace_follows_is_refused_with_the_way_out():
+    mesh = _mesh(4)
+    fn, args = rewrite_steps.make_size_branch_step(mesh, mixing=True)
+    with pytest.raises(shardlint.RewriteError,
+                       match=r"traces differently at one shard's shapes \(shape-dependent Python control flow "
+                             r"at tests/rewrites/rewrite_steps\.py:\d+\?\); nor does its jaxpr \(an input of the "
+                             r"step \(float32\[64,64\]\).*make the branch depend on the configuration"):
+        shardlint.rewrite(fn, mesh, args=args)
+
+
 def test_a_contraction_with_the_configured_length_is_refused_with_the_line_and_the_way_out():
     mesh = _mesh(4)
     fn, args = rewrite_steps.make_token_mixing_step(mesh)
