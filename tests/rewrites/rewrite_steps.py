@@ -144,17 +144,25 @@ def make_config_mask_step(mesh, seq_len: int = SEQ, *, built_in_step: bool = Fal
     return _loss_step(block), (params, _batch(mesh))
 
 
+def _mix_tokens(params, x_BSD):
+    """Token mixing, MLP-Mixer style: a learned [seq, seq] matrix of the configured length
+    contracted with the sequence. At one shard's shapes it meets a shard's sequence with
+    the whole one."""
+    return x_BSD + jnp.einsum("bsd,st->btd", x_BSD, params["w_mix"])  # <- whole sequence
+
+
+def _mixing_params(mesh) -> dict:
+    return {**_moe_params(mesh), "w_mix": _sds(mesh, (SEQ, SEQ))}
+
+
 def make_token_mixing_step(mesh):
-    """A token-mixing layer (MLP-Mixer style: a learned [seq, seq] matrix of the configured
-    length contracted with the sequence), then the routed MoE. At one shard's shapes the
-    contraction meets a shard's sequence with the whole one."""
+    """A token-mixing layer (`_mix_tokens`), then the routed MoE."""
 
     def block(params, x_BSD):
-        x_BSD = x_BSD + jnp.einsum("bsd,st->btd", x_BSD, params["w_mix"])  # <- whole sequence
+        x_BSD = _mix_tokens(params, x_BSD)
         return x_BSD + routed_moe(params, x_BSD, TOP_K)
 
-    params = {**_moe_params(mesh), "w_mix": _sds(mesh, (SEQ, SEQ))}
-    return _loss_step(block), (params, _batch(mesh))
+    return _loss_step(block), (_mixing_params(mesh), _batch(mesh))
 
 
 def make_gshard_step(mesh, capacity_factor: float = 1.0):
@@ -200,16 +208,15 @@ def make_scaled_tokens_step(mesh):
 def make_size_branch_step(mesh, *, mixing: bool = False):
     """The routed MoE after an RMS norm that a Python branch on the sequence length turns
     on for long sequences: one shard's sequence is short, so the step's Python traces into
-    other equations there. `mixing`: the branch mixes tokens with a learned [seq, seq]
-    matrix instead (as `make_token_mixing_step`), which no per-shard trace can follow."""
+    other equations there. `mixing`: the branch mixes tokens instead (`_mix_tokens`),
+    which no per-shard trace can follow."""
 
     def block(params, x_BSD):
         if x_BSD.shape[1] >= SEQ:   # <- a branch on the array's size
             if mixing:
-                x_BSD = x_BSD + jnp.einsum("bsd,st->btd", x_BSD, params["w_mix"])
+                x_BSD = _mix_tokens(params, x_BSD)
             else:
                 x_BSD = x_BSD * jax.lax.rsqrt(jnp.mean(x_BSD ** 2, axis=-1, keepdims=True) + 1e-6)
         return x_BSD + routed_moe(params, x_BSD, TOP_K)
 
-    params = {**_moe_params(mesh), **({"w_mix": _sds(mesh, (SEQ, SEQ))} if mixing else {})}
-    return _loss_step(block), (params, _batch(mesh))
+    return _loss_step(block), (_mixing_params(mesh) if mixing else _moe_params(mesh), _batch(mesh))

@@ -159,9 +159,9 @@ def test_traces_whose_scan_operands_differ_are_paired_by_use():
 def test_the_jaxpr_traced_again_gives_the_same_rewrite(name, request):
     """Where the step's Python traces at one shard's shapes, its jaxpr traced again there
     must give what it gives: the same numbers, findings and memory."""
-    mesh, fn, args, _, _, after = _case(name)
+    mesh, fn, args, _, before, after = _case(name)
     request.getfixturevalue("retraced_only")   # after the Python route's result is cached
-    fixed = shardlint.rewrite(fn, mesh, args=args, analysis=_case(name)[4], **CASES[name][2])
+    fixed = shardlint.rewrite(fn, mesh, args=args, analysis=before, **CASES[name][2])
     assert "(ValueError at tests/conftest.py" in fixed.notes[0]
     assert fixed.notes[0].endswith("its jaxpr was traced there instead")
     retraced = shardlint.analyze(fixed, *args)
@@ -257,33 +257,34 @@ def test_a_branch_on_the_sequence_length_is_rewritten_as_the_step_runs_it():
     assert verify_same(fn, fixed, args, rtol=1e-5, atol=1e-6)
 
 
-def test_a_branch_on_the_sequence_length_that_no_trace_follows_is_refused_with_the_way_out():
+# What no per-shard trace can follow, neither the step's Python nor its jaxpr traced again:
+# name: (make, its keyword arguments, the refusal).
+REFUSED = {
+    "a branch on the sequence length that mixes tokens": (
+        rewrite_steps.make_size_branch_step, {"mixing": True},
+        r"traces differently at one shard's shapes \(shape-dependent Python control flow "
+        r"at tests/rewrites/rewrite_steps\.py:\d+\?\); nor does its jaxpr \(an input of the "
+        r"step \(float32\[64,64\]\).*make the branch depend on the configuration"),
+    "a contraction with the configured length": (
+        rewrite_steps.make_token_mixing_step, {},
+        r"rewrite_steps\.py:\d+ .*nor does its jaxpr \(an input of the step "
+        r"\(float32\[64,64\]\) keeps its size per shard and meets a shard's tokens\).*"
+        r"x\.shape\[1\]"),
+    # The retraced trace has it at a shard's size only; which part is a shard's, that trace
+    # cannot say (tokens in per-shard order are not a block of the global order).
+    "a configured table read in the routed region": (
+        rewrite_steps.make_scaled_tokens_step, {},
+        r"rewrite_steps\.py:\d+ in the routed region reads float32\[512\], whose part on each "
+        r"shard is not known"),
+}
+
+
+@pytest.mark.parametrize("name", REFUSED)
+def test_refused_with_the_line_and_the_way_out(name):
+    make, kwargs, refusal = REFUSED[name]
     mesh = _mesh(4)
-    fn, args = rewrite_steps.make_size_branch_step(mesh, mixing=True)
-    with pytest.raises(shardlint.RewriteError,
-                       match=r"traces differently at one shard's shapes \(shape-dependent Python control flow "
-                             r"at tests/rewrites/rewrite_steps\.py:\d+\?\); nor does its jaxpr \(an input of the "
-                             r"step \(float32\[64,64\]\).*make the branch depend on the configuration"):
-        shardlint.rewrite(fn, mesh, args=args)
-
-
-def test_a_contraction_with_the_configured_length_is_refused_with_the_line_and_the_way_out():
-    mesh = _mesh(4)
-    fn, args = rewrite_steps.make_token_mixing_step(mesh)
-    with pytest.raises(shardlint.RewriteError,
-                       match=r"rewrite_steps\.py:\d+ .*nor does its jaxpr \(an input of the step "
-                             r"\(float32\[64,64\]\) keeps its size per shard and meets a shard's tokens\).*"
-                             r"x\.shape\[1\]"):
-        shardlint.rewrite(fn, mesh, args=args)
-
-
-def test_a_configured_table_read_in_the_routed_region_is_refused():
-    # Its per-shard trace has it at a shard's size only; which part is a shard's, that
-    # trace cannot say (tokens in per-shard order are not a block of the global order).
-    mesh = _mesh(4)
-    fn, args = rewrite_steps.make_scaled_tokens_step(mesh)
-    with pytest.raises(shardlint.RewriteError, match=r"rewrite_steps\.py:\d+ in the routed region reads "
-                                                     r"float32\[512\], whose part on each shard is not known"):
+    fn, args = make(mesh, **kwargs)
+    with pytest.raises(shardlint.RewriteError, match=refusal):
         shardlint.rewrite(fn, mesh, args=args)
 
 
