@@ -89,11 +89,17 @@ def test_dense_path_loses_the_sequence_at_moe_lines(dense):
     assert all("context" in f.axes for f in lost)
 
 
-def test_dense_path_rewritten_per_shard_with_the_same_numbers(dense):
+@pytest.fixture(scope="module")
+def dense_rewritten(dense):
     fn, args, before = dense
     fixed = shardlint.rewrite(fn, mesh_of(args), args=args, verify=True)   # raises if numbers differ
+    return fixed, shardlint.analyze(fixed, *args)
+
+
+def test_dense_path_rewritten_per_shard_with_the_same_numbers(dense, dense_rewritten):
+    _, _, before = dense
+    fixed, after = dense_rewritten
     assert fixed.changed
-    after = shardlint.analyze(fixed, *args)
     assert _moe_findings(after) == []
     # Nothing new is lost elsewhere (with scanned layers, XLA also drops the while loop's
     # own gather of what the MoE's routing had needed).
@@ -101,12 +107,12 @@ def test_dense_path_rewritten_per_shard_with_the_same_numbers(dense):
     assert outside(after) <= outside(before)
 
 
-def test_dense_path_traced_again_from_its_jaxpr_is_rewritten_alike(dense, request):
+def test_dense_path_traced_again_from_its_jaxpr_is_rewritten_alike(dense, dense_rewritten, request):
     """MaxText's training step (attention, embeddings, scanned and rematerialized layers)
     with its jaxpr traced at one shard's shapes instead of its Python: the same rewrite."""
     fn, args, before = dense
-    python = shardlint.analyze(shardlint.rewrite(fn, mesh_of(args), args=args, analysis=before), *args)
-    request.getfixturevalue("retraced_only")
+    _, python = dense_rewritten
+    request.getfixturevalue("retraced_only")   # after the Python route's result is cached
     fixed = shardlint.rewrite(fn, mesh_of(args), args=args, analysis=before)   # verifies the numbers
     assert fixed.notes[0].endswith("its jaxpr was traced there instead")
     retraced = shardlint.analyze(fixed, *args)
