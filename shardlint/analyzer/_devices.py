@@ -237,6 +237,10 @@ def _named_sharding(text: str, body: str, mesh: MeshInfo, rank: int) -> Sharding
     if not all(_NAMED_DIM_RE.fullmatch(d) for d in per_dim) or not {
             n for d in per_dim for n in re.findall(r"'([^']+)'", d)} <= set(names):
         raise _unreadable(text, f"dimensions sharded over axes of the printed mesh {names}")
+    if not any(re.findall(r"'([^']+)'", d) for d in per_dim):
+        # No dimension names an axis: replicated. JAX 0.11.2 prints a scalar's or a
+        # replicated value's empty mesh so, `{mesh[], [{}]}`.
+        return Sharding(((),) * rank, manual="manual" in rest[m.end():])
     ids = dict(zip(names, sizes))
     coords = np.stack(np.unravel_index(np.arange(devices.size), devices.shape), -1)
     device_of_pos = devices.ravel()

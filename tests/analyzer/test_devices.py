@@ -71,6 +71,8 @@ def test_partial_axis_groups_are_not_named_as_whole_axes():
     ("{mesh['data'=2,'context'=4], [{'data'}, {'context'}, {}]}", (("data",), ("context",), ())),
     ("{mesh['data'=2,'context'=4], [{'context', 'data'}, {}, {}]}", (("context", "data"), (), ())),
     ("{mesh[], replicated}", ((), (), ())),
+    ("{mesh[], [{}, {}, {}]}", ((), (), ())),   # JAX 0.11.2's empty mesh (MaxText's rewritten step)
+    ("{mesh['data'=2,'context'=4], [{}, {}, {}]}", ((), (), ())),
 ])
 def test_sharding_forms(text, dims):
     assert parse_sharding(text, MESH_2x4, 3).dims == dims
