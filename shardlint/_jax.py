@@ -54,8 +54,9 @@ def trace(fn, args: tuple):
     model and optimizer are no outputs, and XLA would drop the backward pass. Anything
     else is traced inside `jax.jit`.
     """
-    own = getattr(fn, "trace", None)
-    traced = own(*args) if callable(own) else jax.jit(fn).trace(*args)
+    from ._wrapped import as_jitted
+
+    traced = as_jitted(fn).trace(*args)
     while not hasattr(traced, "jaxpr") and hasattr(traced, "traced"):
         traced = traced.traced
     return traced

@@ -6,3 +6,4 @@ from ._rewrite import RewrittenStep as RewrittenStep
 from ._rewrite import rewrite as rewrite
 from ._rewrite import verify_same as verify_same
 from ._swap import SwappedStep as SwappedStep
+from .._wrapped import Wrapped as Wrapped

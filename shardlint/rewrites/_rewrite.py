@@ -23,15 +23,20 @@ from jax.sharding import NamedSharding
 
 from .. import _jax
 from .._errors import NothingToRewrite, RewriteError, ShardlintError, first_line
+from .._wrapped import as_jitted, is_nnx_jit
 from ._emit import emit
+from ._jitted import jitted_like
 from ._regions import plan_regions
 from ._step import JittedStep
-from ._subjaxprs import bind_with
 from ._trace import TokenAxes, trace_step, user_frame_of
 
 
 class RewrittenStep(JittedStep):
-    """A step whose routed-expert regions run per shard; same signature and outputs."""
+    """A step whose routed-expert regions run per shard; same signature and outputs.
+
+    Built once per distinct arguments (`JittedStep`): the token axes come from `axes`
+    when given, else from the analysis of the step on those arguments' shardings (the
+    first build may reuse one already made, `lost`)."""
 
     def __init__(self, step: Callable, mesh, *, axes: TokenAxes | None = None,
                  progress: Callable[[str], None] | None = None, lost: _Lost | None = None,
@@ -39,17 +44,11 @@ class RewrittenStep(JittedStep):
         self.step = step
         self.mesh = mesh
         self.axes = axes
-        self.lost = lost
+        self.lost = lost     # what an analysis of the first arguments built for said
         self.per_shard_capacity = per_shard_capacity
         self.progress = progress or (lambda message: None)
         self.notes: list[str] = []
         self.changed: bool | None = None   # known once built for some arguments
-        self.why_unchanged: str | None = None   # set when the analysis found nothing
-        self._cache: dict = {}
-
-    def unchanged_for(self, args, why: str) -> None:
-        self.why_unchanged = why
-        self._prepare(args)
 
     # The step was traced without a mesh in context, and its equations are replayed the
     # same way: an ambient mesh (the analyzer sets one) would type the replayed values
@@ -57,29 +56,17 @@ class RewrittenStep(JittedStep):
     def _context(self):
         return _jax.no_ambient_mesh()
 
-    def _staged(self, args):
-        return self._prepare(args)
-
-    def _prepare(self, args):
-        key = tuple((tuple(getattr(x, "shape", ())), str(getattr(x, "dtype", type(x))))
-                    for x in jax.tree_util.tree_leaves(args))
-        if key not in self._cache:
-            self._cache[key] = self._build(args)
-        return self._cache[key]
-
     def _build(self, args):
-        if self.why_unchanged is not None:
-            return self._unchanged(self.why_unchanged, args)
         flat = jax.tree_util.tree_leaves(args)
         if self.axes is None and not any(isinstance(getattr(x, "sharding", None), NamedSharding) for x in flat):
             raise RewriteError("rewrite needs the arguments' NamedShardings to find the token "
                                "axes: call it on arrays or ShapeDtypeStructs that carry them")
-        lost = self.lost
+        lost, self.lost = self.lost, None
         if lost is None and self.axes is None:
             lost = _lost_in(self.step, args, self.progress)
         axes = self.axes or lost.axes
         if axes is None:
-            return self._unchanged(NOTHING_LOST, args)
+            return self._unchanged(NOTHING_LOST)
         traces = trace_step(self.step, args, axes, self.mesh)
         if traces.retraced:
             self.retraced = traces.retraced
@@ -90,46 +77,22 @@ class RewrittenStep(JittedStep):
         if not plan.top.changed:
             return self._unchanged("no routed region loses the sequence sharding: no reshape folds "
                                    "it into tokens before a grouped matmul, and no routing op "
-                                   "feeding the experts is where the analysis found it lost", args)
+                                   "feeding the experts is where the analysis found it lost")
         self.changed = True
         self.notes.append(f"rewrote {plan.top.count()} routed region(s) to run per shard over "
                           f"{', '.join(axes.all)}")
         self.progress(self.notes[-1])
-        run = emit(plan, self.mesh)
-        donate: tuple[int, ...] = ()
-        if traces.jit_eqn is not None:
-            run, donate = _as_jitted(run, traces.jit_eqn, args)
-        treedef = traces.out_tree
+        return jitted_like(emit(plan, self.mesh), args, lambda: traces.out_tree, traces.jit_eqn,
+                           self.__name__)
 
-        def rewritten(*call_args):
-            return jax.tree_util.tree_unflatten(treedef, run(*jax.tree_util.tree_leaves(call_args)))
-
-        rewritten.__name__ = self.__name__
-        return jax.jit(rewritten, donate_argnums=donate)
-
-    def _unchanged(self, why: str, args):
+    def _unchanged(self, why: str):
         self.changed = False
         self.notes.append(f"nothing to rewrite: {why}")
         self.progress(self.notes[-1])
-        _warn_unchanged(self.notes[-1], stacklevel=5)
-        step = self.step
-        return step if callable(getattr(step, "trace", None)) else jax.jit(step)
-
-
-def _as_jitted(run, jit_eqn, args):
-    """`run` inside the pre-jitted step's own jit equation (its in/out shardings), and the
-    arguments it donates (those whose every leaf it donates)."""
-    inner = jit_eqn.params["jaxpr"].jaxpr
-    avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, weak_type=getattr(v.aval, "weak_type", False))
-             for v in inner.invars]
-
-    def in_own_jit(*flat):
-        return bind_with(jit_eqn, jax.make_jaxpr(run)(*avals), list(flat))
-
-    donated = iter(jit_eqn.params["donated_invars"])
-    donate = tuple(i for i, leaves in enumerate(jax.tree_util.tree_leaves(a) for a in args)
-                   if all([next(donated) for _ in leaves]) and leaves)
-    return in_own_jit, donate
+        _warn_unchanged(self.notes[-1], stacklevel=6)
+        if "_as_is" not in self.__dict__:
+            self._as_is = as_jitted(self.step)
+        return self._as_is
 
 
 NOTHING_LOST = ("the analysis finds no sharding lost in routed-expert code (no flatten before "
@@ -162,21 +125,17 @@ def rewrite(step: Callable, mesh, *, verify: bool = False, args: tuple | None = 
     if capacity not in ("global", "per-shard"):
         raise RewriteError(f"capacity={capacity!r}: expected 'global' (the default: refuse a capacity "
                            "computed from all tokens) or 'per-shard'")
-    axes = TokenAxes(tuple(batch_axes or ()), tuple(seq_axes)) if seq_axes else None
+    # Axes the caller names hold for every arguments; those the analysis finds, only for
+    # the arguments it analyzed (others are analyzed when the step first meets them).
+    given = TokenAxes(tuple(batch_axes or ()), tuple(seq_axes)) if seq_axes else None
     lost = None
-    if args is not None and (axes is None or analysis is not None):
+    if args is not None and (given is None or analysis is not None):
         lost = _lost_in(step, args, progress, analysis)
-        axes = axes or lost.axes
+    axes = given or (lost.axes if lost else None)
     per_shard = capacity == "per-shard"
-    if args is not None and axes is None:
-        result = _rewritten(step, mesh, None, progress, lost, per_shard)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", NothingToRewrite)
-            result.unchanged_for(args, NOTHING_LOST)
-        _warn_unchanged(result.notes[-1], stacklevel=3)
-        return result
-    swapped = swap_moe_layers(step, mesh, args=args, axes=axes, progress=progress)
-    result = swapped if swapped is not None else _rewritten(step, mesh, axes, progress, lost, per_shard)
+    swapped = None if args is not None and axes is None else swap_moe_layers(
+        step, mesh, args=args, axes=axes, progress=progress)
+    result = swapped or _rewritten(step, mesh, given, progress, lost, per_shard)
     if args is not None:
         with warnings.catch_warnings():   # said once, below, at the caller's line
             warnings.simplefilter("ignore", NothingToRewrite)
@@ -216,15 +175,9 @@ def _warn_unchanged(note: str, stacklevel: int) -> None:
 
 def _rewritten(step, mesh, axes, progress, lost, per_shard_capacity):
     kwargs = dict(axes=axes, progress=progress, lost=lost, per_shard_capacity=per_shard_capacity)
-    if _is_nnx_jit(step):
+    if is_nnx_jit(step):
         return NnxRewrittenStep(step, RewrittenStep(step.jitted_fn, mesh, **kwargs))
     return RewrittenStep(step, mesh, **kwargs)
-
-
-def _is_nnx_jit(step) -> bool:
-    """Flax's `nnx.jit` object: its `jitted_fn` is the `jax.jit` of a pure function of
-    the graph nodes' states, which is what gets rewritten (flax 0.12)."""
-    return callable(getattr(step, "jitted_fn", None)) and type(step).__module__.startswith("flax.")
 
 
 class NnxRewrittenStep(JittedStep):
@@ -254,12 +207,11 @@ class NnxRewrittenStep(JittedStep):
     def retraced(self):
         return self.inner.retraced
 
-    def unchanged_for(self, args, why: str) -> None:
-        self.inner.why_unchanged = why
-        self.trace(*args)
+    def _build(self, args):
+        return self.step
 
     def _staged(self, args):
-        return self.step
+        return self.step   # Flax's wrapper; the inner step caches its builds
 
     def _context(self):
         return self._serving()
@@ -289,8 +241,8 @@ def verify_same(original: Callable, rewritten: Callable, args, *, rtol: float = 
     if progress:
         progress("verifying the rewrite on random inputs")
     # Fresh inputs for each run (the same values): a step may donate its arguments.
-    want = _as_jitted_fn(original)(*random_like(args))
-    got = _as_jitted_fn(rewritten)(*random_like(args))
+    want = as_jitted(original)(*random_like(args))
+    got = as_jitted(rewritten)(*random_like(args))
     bad = []
     for (path, w), g in zip(jax.tree_util.tree_leaves_with_path(want), jax.tree_util.tree_leaves(got)):
         w, g = _as_numpy(w), _as_numpy(g)
@@ -354,10 +306,6 @@ def _lost_in(step, args, progress, analysis=None) -> _Lost:
 
 def _axes_of(finding) -> TokenAxes:
     return TokenAxes(tuple(finding.operand_spec[0]), tuple(finding.operand_spec[1]))
-
-
-def _as_jitted_fn(step):
-    return step if callable(getattr(step, "lower", None)) else jax.jit(step)
 
 
 def random_like(args):

@@ -1,11 +1,12 @@
 """What every rewritten step is: something that behaves like a jitted function.
 
-As haliax's `WrappedCallable`: `__call__`, `trace` and `lower` on the step's arguments,
-so `shardlint.analyze(result, *args)` and a training loop treat it as they treated the
-original. Each route (the jaxpr rewrite, the `shardlint.moe` swap, the `nnx.jit`
-wrapper) says which jitted function serves a set of arguments (`_staged`) and in which
-context it runs; `changed` says whether anything was rewritten (None until built for
-some arguments) and `notes` what was done.
+As haliax's `WrappedCallable` and `jax.stages.Wrapped`: `__call__`, `trace`, `lower` and
+`eval_shape` on the step's arguments, so `shardlint.analyze(result, *args)` and a training
+loop treat it as they treated the original. Each route (the jaxpr rewrite, the
+`shardlint.moe` swap) builds one jitted function per distinct arguments (`_build`: their
+tree, shapes, dtypes and shardings, `_wrapped.signature`), which then dispatches as any
+`jax.jit` does: a training loop compiles once. `changed` says whether anything was
+rewritten (None until built for some arguments) and `notes` what was done.
 """
 
 from __future__ import annotations
@@ -13,6 +14,10 @@ from __future__ import annotations
 import abc
 import contextlib
 from typing import Any, Callable
+
+import jax
+
+from .._wrapped import signature, without_shardings
 
 
 class JittedStep(abc.ABC):
@@ -22,8 +27,20 @@ class JittedStep(abc.ABC):
     step: Callable
 
     @abc.abstractmethod
+    def _build(self, args: tuple) -> Any:
+        """The jitted function (with `trace`, `lower`, `eval_shape`) that runs arguments
+        like these; called once per `signature(args)`."""
+
     def _staged(self, args: tuple) -> Any:
-        """The jitted function (with `trace` and `lower`) that runs these arguments."""
+        built = self.__dict__.setdefault("_built", {})
+        key = signature(args)
+        if key not in built:
+            # Traced inside a caller's jit (`jax.grad(rewritten)`), the arguments carry no
+            # concrete shardings: the latest build for the same shapes serves them.
+            alike = [b for k, b in built.items() if without_shardings(k) == without_shardings(key)]
+            traced = any(leaf[3] is None for leaf in key[1])
+            built[key] = alike[-1] if traced and alike else self._build(args)
+        return built[key]
 
     def _context(self):
         return contextlib.nullcontext()
@@ -39,6 +56,12 @@ class JittedStep(abc.ABC):
     def lower(self, *args):
         with self._context():
             return self._staged(args).lower(*args)
+
+    def eval_shape(self, *args):
+        with self._context():
+            staged = self._staged(args)
+            own = getattr(staged, "eval_shape", None)
+            return own(*args) if callable(own) else jax.eval_shape(staged, *args)
 
     @property
     def __name__(self) -> str:

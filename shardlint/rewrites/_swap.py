@@ -16,6 +16,8 @@ from typing import Callable
 import jax
 
 from .._errors import RewriteError
+from .._wrapped import unwrap
+from ._jitted import jit_equation, jitted_like
 from ._step import JittedStep
 
 
@@ -30,7 +32,7 @@ def uses_routed_moe(step: Callable, args) -> list:
         with served_by(None):
             return layer(params, x_BSD)
 
-    step = _unwrapped(step)
+    step = unwrap(step)
     with served_by(record):
         # A fresh function: eval_shape must trace again, not reuse a cached trace made
         # before the layer was served.
@@ -48,16 +50,17 @@ def check_swappable(cfg) -> None:
 
 
 class SwappedStep(JittedStep):
-    """`step` traced with ShardedRoutedMoE serving every RoutedMoE call."""
+    """`step` traced with ShardedRoutedMoE serving every RoutedMoE call, jitted as the
+    original was (its shardings and donation kept)."""
 
     def __init__(self, step: Callable, mesh, *, batch_axes=None, seq_axes=None):
-        self.step = _unwrapped(step)
+        self.step = step
         self.mesh = mesh
         self.layer_kwargs = {"batch_axes": batch_axes, "seq_axes": seq_axes}
         self.notes = ["swapped RoutedMoE for ShardedRoutedMoE"]
         self.changed = True
 
-    def _call(self, *args):
+    def _call(self, body: Callable, *args):
         from ..moe import ShardedRoutedMoE
         from ..moe._reference import served_by
 
@@ -70,7 +73,7 @@ class SwappedStep(JittedStep):
             return ShardedRoutedMoE(layer.cfg, self.mesh, weight_axes=(), **self.layer_kwargs)(params, x_BSD)
 
         with served_by(sharded):
-            out = self.step(*args)
+            out = body(*args)
         if not swapped:
             raise RewriteError("the step calls RoutedMoE, but tracing it again did not reach the "
                                "layer (a jitted function inside it reused a trace made before "
@@ -78,14 +81,22 @@ class SwappedStep(JittedStep):
                                "or call jax.clear_caches() first")
         return out
 
-    def _staged(self, args):
-        # A fresh function each time, so jit never serves a trace from before the swap;
-        # named as the step, so op paths read `jit(step)/...` before and after alike.
-        def swapped_step(*a):
-            return self._call(*a)
+    def _build(self, args):
+        # The Python the step wraps, traced in a jit of its own that no trace from before
+        # the swap can serve; named as the step, so op paths read `jit(step)/...` before
+        # and after alike.
+        body = unwrap(self.step)
+        tree = jax.tree_util.tree_structure(args)
+        out_tree: list = []
 
-        swapped_step.__name__ = self.__name__
-        return jax.jit(swapped_step)
+        def run_flat(*leaves):
+            out = self._call(body, *jax.tree_util.tree_unflatten(tree, leaves))
+            flat, treedef = jax.tree_util.tree_flatten(out)
+            out_tree[:] = [treedef]
+            return flat
+
+        return jitted_like(run_flat, args, lambda: out_tree[0], jit_equation(self.step, args),
+                           self.__name__)
 
 
 def swap_moe_layers(step: Callable, mesh, *, args=None, axes=None, progress=None):
@@ -102,8 +113,3 @@ def swap_moe_layers(step: Callable, mesh, *, args=None, axes=None, progress=None
     if progress:
         progress(f"swapping {len(configs)} RoutedMoE call(s) for ShardedRoutedMoE")
     return swapped
-
-
-def _unwrapped(step: Callable) -> Callable:
-    # A jax.jit object keeps a trace cache; trace the Python function it wraps instead.
-    return getattr(step, "__wrapped__", step)

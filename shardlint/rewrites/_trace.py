@@ -35,7 +35,9 @@ from jax.sharding import PartitionSpec as P
 from .. import _jax
 from .._errors import RewriteError, first_line
 from ..analyzer._compile import parameter_argnums
+from .._wrapped import unwrap
 from ..analyzer._stack import display_path, is_library_file
+from ._jitted import jit_equation
 from ._replay import inner_jaxpr
 from ._retrace import retrace
 from ._shard_shapes import Unfit
@@ -76,7 +78,7 @@ def entry_axes(entry) -> tuple[str, ...]:
 
 def trace_step(step: Callable, args: tuple, axes: TokenAxes, mesh) -> Traces:
     flat, tree = jax.tree_util.tree_flatten(args)
-    body = _wrapped(step)
+    body = unwrap(step)
     out_tree: list = []
 
     def flat_fn(fn):
@@ -89,12 +91,7 @@ def trace_step(step: Callable, args: tuple, axes: TokenAxes, mesh) -> Traces:
 
     abstract = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in flat]
     global_jaxpr = jax.make_jaxpr(flat_fn(body))(*abstract)
-    jit_eqn = None
-    if body is not step:
-        as_jitted = jax.make_jaxpr(flat_fn(step))(*abstract)
-        eqns = as_jitted.jaxpr.eqns
-        if len(eqns) == 1 and eqns[0].primitive.name in ("jit", "pjit"):
-            jit_eqn = eqns[0]
+    jit_eqn = jit_equation(step, args)
     data = _data_leaves(args, global_jaxpr.out_avals)
     nb = _degree(mesh, axes.batch)
     ns = _degree(mesh, axes.seq)
@@ -264,15 +261,6 @@ def user_frame_of(traceback) -> str:
         return ""
     f = frames[-1]
     return f" at {display_path(f.filename)}:{f.lineno} ({f.name})"
-
-
-def _wrapped(step):
-    """The Python function a `jax.jit` object wraps (it keeps a trace cache and checks
-    its in-shardings), else the step itself."""
-    inner = getattr(step, "__wrapped__", None)
-    if inner is not None and callable(getattr(step, "lower", None)) and callable(getattr(step, "trace", None)):
-        return inner
-    return step
 
 
 def _data_leaves(args: tuple, out_avals) -> list[bool]:
