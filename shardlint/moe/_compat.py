@@ -1,6 +1,8 @@
 """What `shardlint.moe` needs from JAX beyond the obvious: `shard_map` with its checks on
-(the version shim itself lives in `shardlint._jax`, with every other one), and a stable
-argsort that keeps a value's varying-manual-axes type.
+(the version shim itself lives in `shardlint._jax`, with every other one), a stable
+argsort that keeps a value's varying-manual-axes type, and the varying-axes types a
+`pallas_call` inside `shard_map` must state (public API: `jax.typeof`, `jax.lax.pcast`,
+`jax.sharding.ManualAxisType`, the same in JAX 0.10.2 and 0.12.0.1).
 """
 
 from __future__ import annotations
@@ -34,3 +36,28 @@ def argsort(keys: jax.Array) -> jax.Array:
     """
     iota = jax.lax.broadcasted_iota(jnp.int32, keys.shape, 0)
     return jax.lax.sort((keys, iota), num_keys=1, is_stable=True)[1]
+
+
+def varying_axes(x: jax.Array) -> frozenset:
+    """The `shard_map` axes a value varies over (empty outside one)."""
+    mat = getattr(jax.typeof(x), "manual_axis_type", None)
+    return frozenset(mat.varying) if mat is not None else frozenset()
+
+
+def vary_alike(*arrays: jax.Array) -> tuple[jax.Array, ...]:
+    """The arrays, each cast to vary over every axis any of them varies over.
+
+    A `pallas_call` inside `shard_map` (checks on) must declare how its outputs vary, and
+    a custom VJP must return each input's gradient typed as the input: casting the
+    inputs alike first makes both the union, and autodiff turns the cast of a weight
+    that does not vary into the psum of its gradient.
+    """
+    axes = frozenset().union(*(varying_axes(a) for a in arrays))
+    return tuple(jax.lax.pcast(a, tuple(sorted(axes - varying_axes(a))), to="varying")
+                 if axes - varying_axes(a) else a for a in arrays)
+
+
+def out_struct(shape: tuple[int, ...], dtype: Any, like: jax.Array) -> jax.ShapeDtypeStruct:
+    """A `pallas_call` output shape that varies over the axes `like` varies over."""
+    return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=jax.sharding.ManualAxisType(
+        varying=varying_axes(like)))

@@ -6,7 +6,12 @@ reference, one shard's block inside `shard_map` in the sharded layer):
   sparse (dropless)  `grouped_swiglu`: sort rows by expert, three `jax.lax.ragged_dot`
                      grouped matmuls, unsort. Rows whose group id equals `num_groups`
                      are padding: they sort last, belong to no group and come out zero,
-                     which is how expert parallelism hands in fixed-size buckets.
+                     which is how expert parallelism hands in fixed-size buckets. On a
+                     TPU (bfloat16, weights whole on the device) the rows go instead to
+                     tile-aligned groups without a sort and through the Pallas kernels of
+                     `_gmm`, moved by gathers both ways (`_permute`): `ragged_dot` ran at
+                     half a dense product's FLOP/s there, and the transposes of the sort's
+                     gather and of the unsort's scatter were scatters.
   dense (capacity)   `dense_dispatch` -> `batched_swiglu` -> `dense_combine`: one-hot
                      dispatch/combine masks and expert-batched einsums, split in three so
                      the sharded layer can put an all-to-all between them.
@@ -25,7 +30,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from . import _compat
+from . import _compat, _gmm, _permute
 from ._config import MoeConfig
 from ._ring import IN_PLACE, WeightSlices, matmul
 from ._routing import route
@@ -67,15 +72,24 @@ def swiglu(x_TD: jax.Array, wi_0_DF: jax.Array, wi_1_DF: jax.Array,
 
 def grouped_swiglu(x_ND: jax.Array, group_M: jax.Array, num_groups: int,
                    wi_0_GDF: jax.Array, wi_1_GDF: jax.Array, wo_GFD: jax.Array, *,
-                   source_M: jax.Array | None = None,
+                   source_M: jax.Array | None = None, repeat: int = 1,
                    slices: WeightSlices = IN_PLACE) -> jax.Array:
     """Row m of the result is expert `group_M[m]`'s SwiGLU of x_ND[source_M[m]].
 
-    source_M defaults to the identity (row m of x_ND). A group id of `num_groups` marks a
-    padding row; its result is zero. Returns y_MD in the original row order. `slices`:
-    the weights hold this device's slice of D, and come whole as it says (`_ring`).
+    source_M defaults to row m // repeat of x_ND (each row of x_ND feeding `repeat`
+    consecutive rows: a token's K choices). A group id of `num_groups` marks a padding
+    row; its result is zero. Returns y_MD in the original row order. `slices`: the
+    weights hold this device's slice of D, and come whole as it says (`_ring`).
     """
     M = group_M.shape[0]
+    plan = _gmm.plan(M, (wi_0_GDF.shape[-2], wi_0_GDF.shape[-1]), num_groups,
+                     x_ND.dtype, weights_whole=slices.size == 1,
+                     varying=bool(_compat.varying_axes(x_ND)))
+    if plan is not None:
+        return _tiled_swiglu(x_ND, group_M, num_groups, wi_0_GDF, wi_1_GDF, wo_GFD,
+                             source_M, repeat, plan)
+    if source_M is None and repeat > 1:
+        source_M = jnp.arange(M) // repeat
     with jax.named_scope("moe/sort"):
         order_M = _compat.argsort(group_M)
         src_M = order_M if source_M is None else source_M[order_M]
@@ -88,6 +102,31 @@ def grouped_swiglu(x_ND: jax.Array, group_M: jax.Array, num_groups: int,
         y_MD = jnp.where(valid_M[:, None], y_MD, jnp.zeros_like(y_MD))
     with jax.named_scope("moe/unsort"):
         return jnp.zeros_like(y_MD).at[order_M].set(y_MD, unique_indices=True)
+
+
+def _tiled_swiglu(x_ND, group_M, num_groups, wi_0_GDF, wi_1_GDF, wo_GFD, source_M,
+                  repeat, plan: _gmm.Plan) -> jax.Array:
+    """`grouped_swiglu` through the Pallas kernels: rows to tile-aligned groups by gathers
+    (`_permute`), the grouped SwiGLU (`_gmm`), rows back by a gather."""
+    if source_M is not None:   # any map of rows: gathered first (its transpose scatters)
+        x_ND, repeat = x_ND[source_M], 1
+    layout, y_PD = _tiled_rows(x_ND, group_M, num_groups, repeat, (wi_0_GDF, wi_1_GDF, wo_GFD),
+                               plan)
+    with jax.named_scope("moe/unsort"):
+        return _permute.permute_rows(y_PD, layout.pos_M, layout.src_P[:, None])
+
+
+def _tiled_rows(x_ND, group_M, num_groups, repeat, weights, plan: _gmm.Plan):
+    """The layout of rows `group_M` and the SwiGLU of every slot (row m reading x_ND's row
+    m // repeat)."""
+    M = group_M.shape[0]
+    with jax.named_scope("moe/sort"):
+        layout = _permute.padded_layout(group_M, num_groups, plan.tm)
+        x_PD = _permute.permute_rows(x_ND, layout.src_P // repeat,
+                                     layout.pos_M.reshape(M // repeat, repeat))
+    with jax.named_scope("moe/experts"):
+        y_PD = _gmm.tiled_swiglu(x_PD, *weights, layout.tile_group_I, layout.num_tiles, plan)
+    return layout, y_PD
 
 
 def _grouped(x_MK: jax.Array, w: Any, aux: tuple) -> Any:
@@ -111,9 +150,17 @@ def sparse_experts(x_TD: jax.Array, weights_TK: jax.Array, experts_TK: jax.Array
                    slices: WeightSlices = IN_PLACE) -> jax.Array:
     """Dropless routed experts on one token block: sort, grouped matmuls, unsort, combine."""
     T, K = experts_TK.shape
-    y_MD = grouped_swiglu(x_TD, experts_TK.reshape(T * K), num_experts, params["wi_0"],
-                          params["wi_1"], params["wo"], source_M=jnp.arange(T * K) // K,
-                          slices=slices)
+    weights = (params["wi_0"], params["wi_1"], params["wo"])
+    plan = _gmm.plan(T * K, weights[0].shape[-2:], num_experts, x_TD.dtype,
+                     weights_whole=slices.size == 1, varying=bool(_compat.varying_axes(x_TD)))
+    if plan is not None:
+        layout, y_PD = _tiled_rows(x_TD, experts_TK.reshape(T * K), num_experts, K, weights,
+                                   plan)
+        with jax.named_scope("moe/combine"):
+            return _permute.gather_combine(y_PD, layout.pos_M.reshape(T, K), layout.src_P,
+                                           weights_TK)
+    y_MD = grouped_swiglu(x_TD, experts_TK.reshape(T * K), num_experts, *weights,
+                          repeat=K, slices=slices)
     return combine_rows(y_MD, weights_TK)
 
 

@@ -1,0 +1,418 @@
+"""The routed-MoE layers on a TPU chip: grouped matmul kernels, layers and training steps.
+
+Measured side by side in one run, bf16, T tokens (--batch x --seq, 8192), E=64 experts,
+top-8, D=2048, F=1024 by default; MFU against the chip's dense bf16 peak by `device_kind`
+(v4 275, v5e 197, v5p 459, v6e 918 TFLOP/s), counting the expert matmuls only (and the
+shared expert for Qwen3-Next). Times are medians of --repeats (>= 10) calls after two
+warm-up calls, each to `jax.block_until_ready`.
+
+Kernel rows (forward, and forward+backward as a VJP w.r.t. weights and input), the rows
+already grouped by expert: the grouped SwiGLU through `jax.lax.ragged_dot` (today's path),
+through shardlint's Pallas kernels (`shardlint.moe._gmm`, rows in tile-aligned groups),
+as expert-batched einsums at capacity, and a dense SwiGLU of the same FLOPs; then
+RoutedMoE end to end (route, permute, experts, unpermute, combine), today's path and the
+Pallas one.
+
+Training steps (value_and_grad of a scalar loss w.r.t. params and x, one chip):
+RoutedMoE, ShardedRoutedMoE (a one-chip mesh) and the Qwen3-Next block (sharded), each
+with today's grouped matmul (`grouped_kernel("xla")`: argsort, ragged_dot, scatter) and
+the one the layer picks now; then E=8 (top-2) and E=128 (top-8). Beside each step: XLA's
+temp and peak from `memory_analysis()` and the chip's `memory_stats()` peak. JAX cannot
+reset that peak in a process, so with --isolate every step row runs in a process of its
+own (the chip's peak is then that row's); without it the column is the process's peak so
+far. The goals of issue 34 end the run as PASS / FAIL lines (exit status 1 on a FAIL).
+
+    python benchmarks/tpu_moe.py [--isolate] [--sweep] [--seq 8192 --experts 64 ...]
+
+--sweep adds the single kernels at each row tile (forward NN, input-gradient NT and
+weight-gradient TN products, against ragged_dot and megablox gmm) and the permutation's
+pieces: what the tile choice in `_gmm` was measured from. Where the backend is not a TPU
+it prints one skip line and exits 0 (--allow-cpu runs it anyway with small sizes in
+Pallas interpret mode, to check the script; those numbers mean nothing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import AxisType
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
+
+from shardlint import moe  # noqa: E402
+from shardlint.moe import _experts, _gmm, _permute  # noqa: E402
+
+PEAKS = (("v4", 275e12), ("v5 lite", 197e12), ("v5e", 197e12), ("v5p", 459e12),
+         ("v5", 459e12), ("v6 lite", 918e12), ("v6e", 918e12))
+STEP_ROWS = ("RoutedMoE", "ShardedRoutedMoE", "Qwen3-Next (sharded)", "RoutedMoE E=8 top-2",
+             "RoutedMoE E=128 top-8")
+PATHS = (("today", "xla"), ("now", "auto"))
+
+
+def peak_flops(kind: str) -> float | None:
+    kind = kind.lower()
+    return next((p for name, p in PEAKS if name in kind), None)
+
+
+def parse(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    for name, value in dict(batch=1, seq=8192, experts=64, top_k=8, emb=2048, mlp=1024,
+                            repeats=10).items():
+        p.add_argument(f"--{name.replace('_', '-')}", type=int, default=value)
+    p.add_argument("--isolate", action="store_true", help="each step row in its own process")
+    p.add_argument("--sweep", action="store_true", help="single kernels at each row tile")
+    p.add_argument("--row-tiles", action="store_true",
+                   help="RoutedMoE's step again at each row tile of _gmm.ROW_TILES")
+    p.add_argument("--allow-cpu", action="store_true")
+    p.add_argument("--part", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    args.repeats = max(args.repeats, 10)
+    return args
+
+
+def median_s(fn: Callable, *args, repeats: int, keep: list | None = None) -> float:
+    """Median seconds of fn(*args) after two warm-up calls (its last result in `keep`)."""
+    for _ in range(2):
+        out = jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        out = jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t)
+    if keep is not None:
+        keep.append(out)
+    return statistics.median(times)
+
+
+def rel_err(a: Any, b: Any) -> float:
+    """max |a - b| / max |b| over a pytree's leaves (in float32)."""
+    errs = [float(jnp.max(jnp.abs(x.astype(jnp.float32) - y.astype(jnp.float32)))
+                  / jnp.maximum(jnp.max(jnp.abs(y.astype(jnp.float32))), 1e-30))
+            for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))]
+    return max(errs)
+
+
+def cell(s: float, flops: float, peak: float | None) -> str:
+    rate = flops / s
+    mfu = f"{100 * rate / peak:5.1f}%" if peak else "   ? "
+    return f"{s * 1e3:8.2f} ms {rate / 1e12:6.1f} TF/s {mfu}"
+
+
+def vjp_of(f: Callable) -> Callable:
+    def run(w, x, *rest_ct):
+        *rest, ct = rest_ct
+        return jax.vjp(lambda w, x: f(w, x, *rest), w, x)[1](ct)
+    return jax.jit(run)
+
+
+class Bench:
+    def __init__(self, args):
+        self.args = args
+        self.dev = jax.devices()[0]
+        self.peak = peak_flops(self.dev.device_kind)
+        self.interpret = jax.default_backend() != "tpu"
+
+    def kernel(self, name: str, row_tile: int | None = None) -> Any:
+        """Today's path ("xla") or the layer's own choice ("auto"; interpret mode off a
+        TPU), at a forced row tile if given."""
+        return _gmm.grouped_kernel("interpret" if self.interpret and name != "xla" else name,
+                                   row_tile=None if name == "xla" else row_tile)
+
+    def data(self, E: int, K: int):
+        a, T, D, F = self.args, self.args.batch * self.args.seq, self.args.emb, self.args.mlp
+        cfg = moe.MoeConfig(num_experts=E, top_k=K, emb_dim=D, mlp_dim=F, dtype=jnp.bfloat16)
+        params = moe.init_moe_params(jax.random.key(0), cfg)
+        x_BSD = jax.random.normal(jax.random.key(1), (a.batch, a.seq, D), jnp.bfloat16)
+        return cfg, params, x_BSD
+
+    # ---- kernel rows ----
+
+    def kernel_rows(self) -> dict[str, float]:
+        a, peak = self.args, self.peak
+        T, E, K, D, F = a.batch * a.seq, a.experts, a.top_k, a.emb, a.mlp
+        M = T * K
+        cfg, params, x_BSD = self.data(E, K)
+        x_TD = x_BSD.reshape(T, D)
+        w = {k: params[k] for k in ("wi_0", "wi_1", "wo")}
+        _, experts_TK = jax.jit(moe.route, static_argnums=2)(x_TD, params["gate"], cfg)
+        group_M = experts_TK.reshape(M)
+        order = jnp.argsort(group_M)
+        x_MD = jnp.repeat(x_TD, K, axis=0)[order]
+        sizes = jnp.bincount(group_M, length=E).astype(jnp.int32)
+        plan = _gmm.plan(M, (D, F), E, jnp.bfloat16, weights_whole=True) \
+            if not self.interpret else _gmm.Plan(8, interpret=True)
+        layout = jax.jit(_permute.padded_layout, static_argnums=(1, 2))(group_M, E, plan.tm)
+        x_PD = _permute.permute_rows(x_TD, layout.src_P // K, layout.pos_M.reshape(T, K))
+        C = int(sizes.max())
+        slot = jnp.arange(M) - (jnp.cumsum(sizes) - sizes)[group_M[order]]
+        x_ECD = jnp.zeros((E, C, D), jnp.bfloat16).at[group_M[order], slot].set(x_MD)
+        H = K * F
+        kd = jax.random.split(jax.random.key(2), 3)
+        dense = {"wi_0": jax.random.normal(kd[0], (D, H), jnp.bfloat16) * D ** -0.5,
+                 "wi_1": jax.random.normal(kd[1], (D, H), jnp.bfloat16) * D ** -0.5,
+                 "wo": jax.random.normal(kd[2], (H, D), jnp.bfloat16) * H ** -0.5}
+
+        def ragged(w, x, sizes):
+            h = jax.nn.silu(jax.lax.ragged_dot(x, w["wi_0"], sizes)) * \
+                jax.lax.ragged_dot(x, w["wi_1"], sizes)
+            return jax.lax.ragged_dot(h, w["wo"], sizes)
+
+        def pallas(w, x, tg, nt):
+            return _gmm.tiled_swiglu(x, w["wi_0"], w["wi_1"], w["wo"], tg, nt, plan)
+
+        def layer_fn(kernel):
+            def f(w, x):
+                with self.kernel(kernel):
+                    return moe.RoutedMoE(cfg)(w, x)
+            return f
+
+        flops = 3 * 2 * M * D * F
+        P = x_PD.shape[0]
+        rows = [("grouped SwiGLU (ragged_dot)", ragged, w, x_MD, (sizes,), (M, D)),
+                (f"grouped SwiGLU (Pallas, tm={plan.tm})", pallas, w, x_PD,
+                 (layout.tile_group_I, layout.num_tiles), (P, D)),
+                (f"capacity SwiGLU (C={C}, einsum)", lambda w, x: _experts.batched_swiglu(
+                    x, w["wi_0"], w["wi_1"], w["wo"]), w, x_ECD, (), (E, C, D)),
+                (f"dense SwiGLU (hidden {H})", lambda w, x: _experts.swiglu(
+                    x, w["wi_0"], w["wi_1"], w["wo"]), dense, x_TD, (), (T, D)),
+                ("RoutedMoE layer (today)", layer_fn("xla"), params, x_BSD, (), x_BSD.shape),
+                ("RoutedMoE layer (now)", layer_fn("auto"), params, x_BSD, (), x_BSD.shape)]
+        print(f"\n{'kernel rows (rows grouped by expert)':<36}{'forward':>30}"
+              f"{'forward+backward':>30}")
+        out, results = {}, {}
+        for name, f, ww, x, rest, ct_shape in rows:
+            keep = results.setdefault(name, [])
+            fwd = median_s(jax.jit(f), ww, x, *rest, repeats=a.repeats, keep=keep)
+            ct = jax.random.normal(jax.random.key(3), ct_shape, jnp.bfloat16)
+            both = median_s(vjp_of(f), ww, x, *rest, ct, repeats=a.repeats, keep=keep)
+            out[name.split(" (")[0] + " " + name.split("(")[1].split(",")[0].rstrip(")")] = \
+                (flops / fwd, 3 * flops / both)
+            print(f"{name:<36}{cell(fwd, flops, peak):>30}{cell(both, 3 * flops, peak):>30}",
+                  flush=True)
+        today, now = results["RoutedMoE layer (today)"], results["RoutedMoE layer (now)"]
+        print(f"RoutedMoE now vs today (bf16), max |diff| / max |today|: output "
+              f"{rel_err(now[0], today[0]):.2e}, gradients {rel_err(now[1], today[1]):.2e}")
+        if a.sweep:
+            self.sweep(x_TD, group_M, x_MD, sizes, w, M, E, K)
+        return out
+
+    def sweep(self, x_TD, group_M, x_MD, sizes, w, M, E, K) -> None:
+        """Each kernel alone at each row tile, and the permutation's pieces."""
+        a, peak = self.args, self.peak
+        D, F, T = a.emb, a.mlp, x_TD.shape[0]
+        fl = 2 * M * D * F
+        print(f"\nsweep: one product of {M} rows, {D} x {F} (FLOPs {fl / 1e9:.0f} G)")
+        ragged_dx = jax.jit(lambda dy, w, s: jax.vjp(
+            lambda x: jax.lax.ragged_dot(x, w, s), x_MD)[1](dy)[0])
+        ragged_dw = jax.jit(lambda x, dy, s: jax.vjp(
+            lambda v: jax.lax.ragged_dot(x, v, s), w["wi_0"])[1](dy)[0])
+        h_MF = jnp.ones((M, F), jnp.bfloat16)
+        for name, f, args in [
+                ("ragged_dot x@W up", jax.jit(jax.lax.ragged_dot), (x_MD, w["wi_0"], sizes)),
+                ("ragged_dot h@W down", jax.jit(jax.lax.ragged_dot), (h_MF, w["wo"], sizes)),
+                ("ragged_dot dx (NT)", ragged_dx, (h_MF, w["wi_0"], sizes)),
+                ("ragged_dot dW (TN)", ragged_dw, (x_MD, h_MF, sizes))]:
+            print(f"  {name:<34}{cell(median_s(f, *args, repeats=a.repeats), fl, peak)}",
+                  flush=True)
+        if not self.interpret:
+            import importlib  # the package's `gmm` is the function; the module has tgmm
+            mb = importlib.import_module("jax.experimental.pallas.ops.tpu.megablox.gmm")
+            for tiles in ((256, 2048, 1024), (512, 1024, 1024)):
+                try:
+                    f = jax.jit(lambda x, v, s, t=tiles: mb.gmm(x, v, s, jnp.bfloat16, t))
+                    print(f"  {f'megablox gmm up {tiles}':<34}"
+                          f"{cell(median_s(f, x_MD, w['wi_0'], sizes, repeats=a.repeats), fl, peak)}")
+                except Exception as e:  # noqa: BLE001 (a tile that does not compile)
+                    print(f"  megablox gmm {tiles}: {type(e).__name__} {str(e)[:100]}")
+        for tm in (_gmm.ROW_TILES if not self.interpret else (8,)):
+            p = _gmm.Plan(tm, interpret=self.interpret)
+            lay = jax.jit(_permute.padded_layout, static_argnums=(1, 2))(group_M, E, tm)
+            x_PD = _permute.permute_rows(x_TD, lay.src_P // K, lay.pos_M.reshape(T, K))
+            h_PF = jnp.ones((x_PD.shape[0], F), jnp.bfloat16)
+            tg, nt = lay.tile_group_I, lay.num_tiles
+            kernels = [
+                ("up NN", lambda x, v: _gmm._gmm(x, v, tg, nt, p, transpose_rhs=False),
+                 (x_PD, w["wi_0"])),
+                ("down NN", lambda x, v: _gmm._gmm(x, v, tg, nt, p, transpose_rhs=False),
+                 (h_PF, w["wo"])),
+                ("dx NT", lambda x, v: _gmm._gmm(x, v, tg, nt, p, transpose_rhs=True),
+                 (h_PF, w["wi_0"])),
+                ("dW TN", lambda x, y: _gmm._tgmm(x, y, tg, nt, E, p, jnp.bfloat16),
+                 (x_PD, h_PF))]
+            for name, f, args in kernels:
+                try:
+                    t = median_s(jax.jit(f), *args, repeats=a.repeats)
+                    print(f"  {f'Pallas tm={tm} {name}':<34}"
+                          f"{cell(t, fl, peak)}", flush=True)
+                except Exception as e:  # noqa: BLE001
+                    print(f"  Pallas tm={tm} {name}: {type(e).__name__} {str(e)[:160]}")
+        perm = [("layout (no sort)", jax.jit(_permute.padded_layout, static_argnums=(1, 2)),
+                 (group_M, E, 256)),
+                ("argsort", jax.jit(lambda g: jnp.argsort(g, stable=True)), (group_M,)),
+                ("gather rows x[idx]", jax.jit(lambda x, i: x[i]), (x_TD, jnp.argsort(group_M) // K))]
+        for name, f, args in perm:
+            t = median_s(f, *args, repeats=a.repeats)
+            print(f"  {name:<34}{t * 1e3:8.3f} ms", flush=True)
+
+    # ---- training steps ----
+
+    def step_row(self, row: str, path: str, row_tile: int | None = None) -> dict[str, Any]:
+        a = self.args
+        E, K = {"RoutedMoE E=8 top-2": (8, 2), "RoutedMoE E=128 top-8": (128, 8)}.get(
+            row, (a.experts, a.top_k))
+        cfg, params, x_BSD = self.data(E, K)
+        T, D, F = x_BSD.shape[0] * x_BSD.shape[1], cfg.emb_dim, cfg.mlp_dim
+        flops = 3 * 3 * 2 * T * K * D * F
+        mesh = jax.make_mesh((1, 1), ("data", "context"), axis_types=(AxisType.Auto,) * 2,
+                             devices=jax.devices()[:1])
+        if row.startswith("Qwen3-Next"):
+            cfg = moe.MoeConfig(num_experts=E, top_k=K, emb_dim=D, mlp_dim=F,
+                                softmax_before_topk=True, norm_topk_prob=True,
+                                dtype=jnp.bfloat16)
+            layer = moe.Qwen3NextSparseMoeBlock(cfg, mesh, batch_axes=(), seq_axes=())
+            params = layer.init(jax.random.key(0))
+            flops += 3 * 3 * 2 * T * D * cfg.shared_dim
+        elif row.startswith("ShardedRoutedMoE"):
+            layer = moe.ShardedRoutedMoE(cfg, mesh, batch_axes=(), seq_axes=())
+        else:
+            layer = moe.RoutedMoE(cfg)
+
+        def loss(p, x):
+            with self.kernel(dict(PATHS)[path], row_tile):
+                return jnp.mean(jnp.square(layer(p, x).astype(jnp.float32)))
+        t0 = time.perf_counter()
+        compiled = jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).lower(params, x_BSD).compile()
+        compile_s = time.perf_counter() - t0
+        ma = compiled.memory_analysis()
+        s = median_s(compiled, params, x_BSD, repeats=a.repeats)
+        stats = self.dev.memory_stats() or {}
+        if row_tile:
+            row = f"{row} tm={row_tile}"
+        return {"row": row, "path": path, "s": s, "flops": flops, "compile_s": compile_s,
+                "temp": ma.temp_size_in_bytes, "xla_peak": getattr(ma, "peak_memory_in_bytes", 0),
+                "chip_peak": stats.get("peak_bytes_in_use", 0), "peak": self.peak}
+
+
+def print_step(r: dict[str, Any]) -> None:
+    gib = lambda b: f"{b / 2 ** 30:7.2f}"
+    print(f"{r['row'] + ' (' + r['path'] + ')':<36}{cell(r['s'], r['flops'], r['peak']):>30}"
+          f"{gib(r['temp'])}{gib(r['xla_peak'])}{gib(r['chip_peak'])}"
+          f"{r['compile_s']:8.1f}", flush=True)
+
+
+def goals(kern: dict[str, tuple[float, float]], steps: dict[tuple[str, str], dict],
+          peak: float | None) -> int:
+    """The goals of issue 34, from this run's figures."""
+    fails = 0
+
+    def check(ok: bool, text: str) -> None:
+        nonlocal fails
+        fails += not ok
+        print(f"{'PASS' if ok else 'FAIL'}: {text}")
+    print()
+    sh = steps.get(("ShardedRoutedMoE", "now"))
+    if sh and peak:
+        mfu = sh["flops"] / sh["s"] / peak
+        check(mfu >= 0.45, f"ShardedRoutedMoE training step {100 * mfu:.1f}% expert MFU "
+              f"(>= 45%; today's path {100 * steps[('ShardedRoutedMoE', 'today')]['flops'] / steps[('ShardedRoutedMoE', 'today')]['s'] / peak:.1f}%)")
+    grouped = next((v for k, v in kern.items() if k.startswith("grouped SwiGLU Pallas")), None)
+    dense = next((v for k, v in kern.items() if k.startswith("dense SwiGLU")), None)
+    if grouped and dense:
+        for i, what in enumerate(("forward", "forward+backward")):
+            ratio = grouped[i] / dense[i]
+            check(ratio >= 0.70, f"grouped SwiGLU (Pallas) / dense SwiGLU FLOP/s, {what}: "
+                  f"{ratio:.3f} (>= 0.70; ragged_dot "
+                  f"{kern['grouped SwiGLU ragged_dot'][i] / dense[i]:.3f})")
+    r, s = steps.get(("RoutedMoE", "now")), steps.get(("ShardedRoutedMoE", "now"))
+    if r and s:
+        check(s["s"] / r["s"] <= 1.02, f"ShardedRoutedMoE / RoutedMoE step time "
+              f"{s['s'] / r['s']:.3f} (<= 1.02)")
+    for row in STEP_ROWS:
+        if (row, "today") in steps and (row, "now") in steps:
+            ratio = steps[(row, "now")]["s"] / steps[(row, "today")]["s"]
+            check(ratio <= 1.0, f"{row}: now / today's step time {ratio:.3f} (<= 1)")
+    return int(fails > 0)
+
+
+def main(argv=None) -> int:
+    args = parse(argv)
+    if args.part is None and args.isolate:
+        return _isolated(args, argv if argv is not None else sys.argv[1:])
+    backend = jax.default_backend()
+    if backend != "tpu" and not args.allow_cpu:
+        print(f"skip: no TPU (JAX backend is {backend!r}); this benchmark measures the MoE "
+              f"layers on a TPU chip")
+        return 3 if args.part else 0
+    if backend != "tpu":
+        args.seq, args.emb, args.mlp, args.experts, args.top_k, args.repeats = 64, 256, 128, 8, 2, 10
+    bench = Bench(args)
+    if args.part and args.part.startswith("step:"):
+        _, row, path = args.part.split(":")
+        print("ROW " + json.dumps(bench.step_row(row, path)), flush=True)
+        return 0
+    print(f"{bench.dev.device_kind} ({backend}), JAX {jax.__version__}; bf16, T={args.batch * args.seq} "
+          f"tokens, E={args.experts}, top-{args.top_k}, D={args.emb}, F={args.mlp}; median of "
+          f"{args.repeats}; peak {bench.peak and bench.peak / 1e12} TFLOP/s")
+    kern = bench.kernel_rows()
+    if args.part == "kernels":
+        print("KERN " + json.dumps(kern), flush=True)
+        return 0
+    print(STEP_HEADER)
+    steps = {}
+    for row in STEP_ROWS:
+        for path, _ in PATHS:
+            r = bench.step_row(row, path)
+            steps[(row, path)] = r
+            print_step(r)
+    if args.row_tiles and not bench.interpret:
+        for tm in _gmm.ROW_TILES:
+            print_step(bench.step_row("RoutedMoE", "now", row_tile=tm))
+    return goals(kern, steps, bench.peak)
+
+
+STEP_HEADER = (f"\n{'training step (value_and_grad), one chip':<36}{'step, expert MFU':>30}"
+               f"{'temp':>7}{'XLA pk':>7}{'chip pk':>7}{'compile':>8}  (GiB, s)")
+
+
+def _isolated(args, argv: list[str]) -> int:
+    """Every part in a process of its own (the chip's peak memory is then the part's)."""
+    base = [sys.executable, __file__, *argv]
+    def child(part: str) -> tuple[int, list[str]]:
+        proc = subprocess.run(base + ["--part", part], capture_output=True, text=True,
+                              env=os.environ.copy())
+        sys.stderr.write(proc.stderr[-2000:] if proc.returncode not in (0, 3) else "")
+        return proc.returncode, proc.stdout.splitlines()
+    rc, lines = child("kernels")
+    for line in lines:
+        if not line.startswith("KERN "):
+            print(line, flush=True)
+    if rc != 0:
+        return 0 if rc == 3 else rc
+    kern = json.loads(next(l for l in lines if l.startswith("KERN "))[5:])
+    print(STEP_HEADER + "  (each row in its own process)")
+    steps, peak = {}, None
+    for row in STEP_ROWS:
+        for path, _ in PATHS:
+            rc, lines = child(f"step:{row}:{path}")
+            found = [l for l in lines if l.startswith("ROW ")]
+            if rc or not found:
+                print(f"{row} ({path}): failed (exit {rc})", flush=True)
+                continue
+            r = json.loads(found[0][4:])
+            steps[(row, path)], peak = r, r["peak"]
+            print_step(r)
+    return goals(kern, steps, peak)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

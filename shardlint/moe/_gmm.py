@@ -1,0 +1,427 @@
+"""Grouped matmul on a TPU: Pallas kernels over tile-aligned groups, and the choice of kernel.
+
+On a TPU `jax.lax.ragged_dot` runs at about half the FLOP/s of a dense product of the same
+size, and megablox's `gmm` is not faster at good tiles (measured on a v5e, see
+`benchmarks/tpu_moe.py`): a tile whose rows straddle two groups is computed once per group
+and masked. Here the rows come in a layout where every group starts on a tile boundary
+(`_permute.padded_layout`: each group padded to whole tiles of `tm` rows, padding rows
+zero), so every row tile belongs to one group, no tile is computed twice and no product
+is masked. Three kernels make the product and its gradients:
+
+  gmm    y_PN = x_PK @ w_GKN[group of the tile], tile by tile (rhs optionally transposed:
+         the input gradient dx_PK = dy_PN @ w_GKN[g]^T)
+  tgmm   dw_GKN[g] = x_PK[tiles of g]^T @ dy_PN[tiles of g], accumulated over the
+         consecutive tiles of a group (every group owns at least one tile, so every dw
+         block is written)
+
+Only the tiles in use run (the grid's row dimension is the traced tile count). Rows of the
+result past the last used tile are left unwritten; callers never read them.
+
+Which kernel runs is chosen per call (`plan`): the Pallas kernels on a TPU for bfloat16
+whose D and F tile by 128 and whose weights are whole on the device, `ragged_dot` (today's
+path, and the only one on CPU) otherwise. `grouped_kernel(...)` forces a choice for a
+scope: "xla" (ragged_dot), "pallas", or "interpret" (the Pallas kernels in interpret mode,
+any backend and dtype; what the CPU tests use). The names carry "gmm" so that the
+analyzer's grouped-matmul pattern (`analyzer._patterns`) recognises the pallas_calls.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import functools
+from typing import Iterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from . import _compat
+
+KERNELS = ("auto", "xla", "pallas", "interpret")
+_kernel: contextvars.ContextVar[str] = contextvars.ContextVar("shardlint_gmm_kernel",
+                                                              default="auto")
+# tm forced for a scope (benchmarks and tests); None: chosen by `row_tile`
+_row_tile: contextvars.ContextVar[int | None] = contextvars.ContextVar("shardlint_gmm_tm",
+                                                                       default=None)
+
+# VMEM a kernel may use (v5e/v5p/v6e have 128 MiB per core, v4 32; the default scoped
+# limit is 16-32 MiB, too small for a whole 2048 x 1024 weight block double-buffered).
+VMEM_LIMIT = 64 * 2 ** 20
+_VMEM_LIMIT_V4 = 28 * 2 ** 20
+# Row tiles tried, and the per-grid-step cost that makes small tiles slow, in units of
+# rows of work: measured on a v5e (benchmarks/tpu_moe.py --sweep), a 128-row step of a
+# 2048 x 1024 product ran at the same FLOP/s as a 256-row one within this much.
+ROW_TILES = (128, 256, 512)
+STEP_OVERHEAD_ROWS = 58
+STATIC_ROW_COST = 0.4
+
+
+@contextlib.contextmanager
+def grouped_kernel(name: str, *, row_tile: int | None = None) -> Iterator[None]:
+    """Inside, grouped matmuls use kernel `name` ("auto", "xla", "pallas", "interpret")
+    and, when given, row tiles of `row_tile` rows."""
+    if name not in KERNELS:
+        raise ValueError(f"grouped kernel {name!r} is not one of {KERNELS}")
+    token, tm_token = _kernel.set(name), _row_tile.set(row_tile)
+    try:
+        yield
+    finally:
+        _kernel.reset(token)
+        _row_tile.reset(tm_token)
+
+
+@dataclasses.dataclass(frozen=True)
+class Tiles:
+    """Block sizes of one kernel: rows, contracted, output columns."""
+    m: int
+    k: int
+    n: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """How the grouped matmuls of one SwiGLU run: rows in tiles of `tm`, and interpret
+    mode (tests on CPU)."""
+    tm: int
+    interpret: bool = False
+    vmem_limit: int = VMEM_LIMIT
+
+    def tiles(self, k: int, n: int, itemsize: int, *, lhs: int = 1, rhs: int = 1,
+              outs: int = 1, split_k: bool = True) -> Tiles | None:
+        """The largest blocks along K and N (whole, then halved, K only when `split_k`)
+        whose double-buffered operands (`lhs` row blocks, `rhs` weight blocks, `outs`
+        row blocks of output or epilogue input) and float32 products fit the VMEM limit;
+        None if none does."""
+        tk, tn = k, n
+        while _vmem(self.tm, tk, tn, itemsize, lhs, rhs, outs) > self.vmem_limit * 0.75:
+            if split_k and tk >= tn and tk % 256 == 0:
+                tk //= 2
+            elif tn % 256 == 0:
+                tn //= 2
+            elif split_k and tk % 256 == 0:
+                tk //= 2
+            else:
+                return None
+        return Tiles(self.tm, tk, tn)
+
+    def tgmm_tiles(self, k: int, n: int, itemsize: int) -> Tiles | None:
+        """Blocks of the weight-gradient kernel: a [tk, tn] float32 accumulator."""
+        tk, tn = k, n
+        while 2 * (self.tm * tk + self.tm * tn + tk * tn) * itemsize + 2 * tk * tn * 4 \
+                + self.tm * tk * itemsize > self.vmem_limit * 0.75:
+            if tk >= tn and tk % 256 == 0:
+                tk //= 2
+            elif tn % 256 == 0:
+                tn //= 2
+            else:
+                return None
+        return Tiles(self.tm, tk, tn)
+
+    def fits(self, dims: tuple[int, int], itemsize: int) -> bool:
+        """Whether every kernel of a SwiGLU with D x F = `dims` has blocks that fit."""
+        D, F = dims
+        return None not in (self.tiles(D, F, itemsize, rhs=2, outs=3, split_k=False),
+                            self.tiles(F, D, itemsize),
+                            self.tiles(D, F, itemsize, outs=4, split_k=False),
+                            self.tiles(F, D, itemsize, lhs=2, rhs=2, split_k=False),
+                            self.tgmm_tiles(D, F, itemsize), self.tgmm_tiles(F, D, itemsize))
+
+
+def _vmem(tm: int, tk: int, tn: int, itemsize: int, lhs: int, rhs: int, outs: int) -> int:
+    """Bytes of VMEM for double-buffered blocks and float32 products/accumulators."""
+    return (2 * (lhs * tm * tk + rhs * tk * tn + outs * tm * tn) * itemsize
+            + 2 * max(rhs, 1) * tm * tn * 4)
+
+
+def plan(rows: int, dims: tuple[int, int], num_groups: int, dtype, *,
+         weights_whole: bool, varying: bool = False) -> Plan | None:
+    """The Pallas plan for a grouped SwiGLU of `rows` rows, D x F = `dims`, or None for
+    `ragged_dot`. `weights_whole`: the weights are whole on the device (the products'
+    custom VJP cannot be transposed by `_ring`'s schedules). `varying`: the rows vary
+    over `shard_map` axes; JAX 0.10.2's Pallas interpreters reject scalar-prefetch values
+    that vary there, so this path was never run on several devices: ragged_dot."""
+    kernel = _kernel.get()
+    if kernel == "xla" or not weights_whole or varying:
+        return None
+    if kernel == "interpret":
+        return Plan(_row_tile.get() or 8, interpret=True)
+    on_tpu = jax.default_backend() == "tpu"
+    if kernel == "auto" and not (on_tpu and jnp.dtype(dtype) == jnp.bfloat16):
+        return None
+    if any(d % 128 for d in dims):
+        return None
+    tm = _row_tile.get() or row_tile(rows, num_groups)
+    limit = _VMEM_LIMIT_V4 if on_tpu and "v4" in jax.devices()[0].device_kind.lower() \
+        else VMEM_LIMIT
+    p = Plan(tm, vmem_limit=limit)
+    return p if p.fits(dims, jnp.dtype(dtype).itemsize) else None
+
+
+def row_tile(rows: int, num_groups: int) -> int:
+    """The row tile with the least expected time: the kernels compute each group padded
+    to whole tiles (half a tile wasted per group on average) and a grid step costs
+    `STEP_OVERHEAD_ROWS` rows of work; the XLA ops around them (gathers, the layout) run
+    over all `rows + num_groups * tm` rows the layout may need, at `STATIC_ROW_COST` of a
+    computed row's time each."""
+    def cost(tm: int) -> float:
+        computed = (rows + num_groups * tm / 2) * (1 + STEP_OVERHEAD_ROWS / tm)
+        return computed + STATIC_ROW_COST * (rows + num_groups * tm)
+    return min(ROW_TILES, key=cost)
+
+
+# ---------------------------------------------------------------- the kernels
+
+
+def _cost(m: int, k: int, n: int, itemsize: int, products: int = 1) -> pl.CostEstimate:
+    return pl.CostEstimate(flops=2 * m * k * n * products, transcendentals=0,
+                           bytes_accessed=(m * k + k * n + m * n) * itemsize * products)
+
+
+def _params(p: Plan, semantics: tuple[str, ...]):
+    return pltpu.CompilerParams(dimension_semantics=semantics,
+                                vmem_limit_bytes=p.vmem_limit)
+
+
+def _silu_parts(h0: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """silu(h0) and its derivative, in float32."""
+    sig = 1.0 / (1.0 + jnp.exp(-h0))
+    return h0 * sig, sig * (1.0 + h0 * (1.0 - sig))
+
+
+def _row_specs(t: Tiles, count: int, k_dim: bool) -> list:
+    """Blocks of `count` [P, *] row arrays at row tile i: along K (k_dim) or along N."""
+    if k_dim:
+        return [pl.BlockSpec((t.m, t.k), lambda n, i, k, tg: (i, k))] * count
+    return [pl.BlockSpec((t.m, t.n), lambda n, i, k, tg: (i, n))] * count
+
+
+def _weight_specs(t: Tiles, count: int, transpose: bool) -> list:
+    """Blocks of `count` [G, K, N] (or [G, N, K] with `transpose`) weight arrays at the
+    group of row tile i."""
+    if transpose:
+        return [pl.BlockSpec((None, t.n, t.k), lambda n, i, k, tg: (tg[i], n, k))] * count
+    return [pl.BlockSpec((None, t.k, t.n), lambda n, i, k, tg: (tg[i], k, n))] * count
+
+
+def _call(kernel, name: str, t: Tiles, K: int, N: int, p: Plan, tile_group_I, num_tiles,
+          in_specs: list, out_shapes: list, products: int, operands: list):
+    """A pallas_call over (N blocks, row tiles in use, K blocks); scalar prefetch: each
+    tile's group."""
+    P = out_shapes[0].shape[0]
+    k_steps = K // t.k
+    call = pl.pallas_call(
+        kernel,
+        out_shape=out_shapes,
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=1,
+            grid=(N // t.n, num_tiles, k_steps),
+            in_specs=in_specs,
+            out_specs=[pl.BlockSpec((t.m, t.n), lambda n, i, k, tg: (i, n))] * len(out_shapes),
+            scratch_shapes=[pltpu.VMEM((t.m, t.n), jnp.float32)] if k_steps > 1 else []),
+        compiler_params=_params(p, ("parallel", "arbitrary", "arbitrary")),
+        interpret=p.interpret,
+        cost_estimate=_cost(P, K, N, out_shapes[0].dtype.itemsize, products),
+        name=name,
+    )
+    return call(tile_group_I, *operands)
+
+
+def _gmm(x_PK: jax.Array, w_GAB: jax.Array, tile_group_I: jax.Array,
+         num_tiles: jax.Array, p: Plan, *, transpose_rhs: bool) -> jax.Array:
+    """y_PN = x_PK @ w[g] (or @ w[g]^T with `transpose_rhs`) for the rows of each tile,
+    g being the tile's group."""
+    P, K = x_PK.shape
+    N = w_GAB.shape[1] if transpose_rhs else w_GAB.shape[2]
+    t = p.tiles(K, N, x_PK.dtype.itemsize)
+    k_steps = K // t.k
+    dims = _NT if transpose_rhs else _NN
+
+    def kernel(tg_ref, x_ref, w_ref, o_ref, *acc):
+        prod = jax.lax.dot_general(x_ref[...], w_ref[...], dims,
+                                   preferred_element_type=jnp.float32)
+        if k_steps == 1:
+            o_ref[...] = prod.astype(o_ref.dtype)
+            return
+        k = pl.program_id(2)
+
+        @pl.when(k == 0)
+        def _():
+            acc[0][...] = prod
+
+        @pl.when(k > 0)
+        def _():
+            acc[0][...] += prod
+
+        @pl.when(k == k_steps - 1)
+        def _():
+            o_ref[...] = acc[0][...].astype(o_ref.dtype)
+
+    return _call(kernel, "shardlint_gmm_t" if transpose_rhs else "shardlint_gmm", t, K, N,
+                 p, tile_group_I, num_tiles,
+                 _row_specs(t, 1, True) + _weight_specs(t, 1, transpose_rhs),
+                 [_compat.out_struct((P, N), x_PK.dtype, x_PK)], 1, [x_PK, w_GAB])[0]
+
+
+_NN = (((1,), (0,)), ((), ()))
+_NT = (((1,), (1,)), ((), ()))
+
+
+def _up(x_PD, wi_0_GDF, wi_1_GDF, tile_group_I, num_tiles, p: Plan):
+    """h0 = x @ wi_0[g], h1 = x @ wi_1[g] and h = silu(h0) * h1 in one pass over x (each
+    rounded to x's dtype as the unfused products would be)."""
+    P, D = x_PD.shape
+    F = wi_0_GDF.shape[2]
+    t = p.tiles(D, F, x_PD.dtype.itemsize, rhs=2, outs=3, split_k=False)
+
+    def kernel(tg_ref, x_ref, w0_ref, w1_ref, h0_ref, h1_ref, h_ref):
+        x = x_ref[...]
+        h0 = jax.lax.dot_general(x, w0_ref[...], _NN, preferred_element_type=jnp.float32)
+        h1 = jax.lax.dot_general(x, w1_ref[...], _NN, preferred_element_type=jnp.float32)
+        h0 = h0.astype(h0_ref.dtype)
+        h1 = h1.astype(h1_ref.dtype)
+        h0_ref[...], h1_ref[...] = h0, h1
+        silu, _ = _silu_parts(h0.astype(jnp.float32))
+        h_ref[...] = (silu.astype(h_ref.dtype).astype(jnp.float32)
+                      * h1.astype(jnp.float32)).astype(h_ref.dtype)
+
+    out = _compat.out_struct((P, F), x_PD.dtype, x_PD)
+    return _call(kernel, "shardlint_gmm_up", t, D, F, p, tile_group_I, num_tiles,
+                 _row_specs(t, 1, True) + _weight_specs(t, 2, False), [out] * 3, 2,
+                 [x_PD, wi_0_GDF, wi_1_GDF])
+
+
+def _down_grad(dy_PD, wo_GFD, h0_PF, h1_PF, tile_group_I, num_tiles, p: Plan):
+    """dh = dy @ wo[g]^T (rounded to dy's dtype), then through h = silu(h0) * h1:
+    dh0 = dh * h1 * silu'(h0), dh1 = dh * silu(h0)."""
+    P, D = dy_PD.shape
+    F = wo_GFD.shape[1]
+    t = p.tiles(D, F, dy_PD.dtype.itemsize, outs=4, split_k=False)
+
+    def kernel(tg_ref, dy_ref, w_ref, h0_ref, h1_ref, dh0_ref, dh1_ref):
+        dh = jax.lax.dot_general(dy_ref[...], w_ref[...], _NT,
+                                 preferred_element_type=jnp.float32)
+        dh = dh.astype(dh0_ref.dtype).astype(jnp.float32)
+        silu, dsilu = _silu_parts(h0_ref[...].astype(jnp.float32))
+        silu = silu.astype(dh1_ref.dtype).astype(jnp.float32)
+        dh1_ref[...] = (dh * silu).astype(dh1_ref.dtype)
+        dsilu_in = (dh * h1_ref[...].astype(jnp.float32)).astype(dh0_ref.dtype)
+        dh0_ref[...] = (dsilu_in.astype(jnp.float32) * dsilu).astype(dh0_ref.dtype)
+
+    out = _compat.out_struct((P, F), dy_PD.dtype, dy_PD)
+    return _call(kernel, "shardlint_gmm_down_grad", t, D, F, p, tile_group_I, num_tiles,
+                 _row_specs(t, 1, True) + _weight_specs(t, 1, True)
+                 + _row_specs(t, 2, False), [out] * 2, 1, [dy_PD, wo_GFD, h0_PF, h1_PF])
+
+
+def _up_grad(dh0_PF, dh1_PF, wi_0_GDF, wi_1_GDF, tile_group_I, num_tiles, p: Plan):
+    """dx = dh0 @ wi_0[g]^T + dh1 @ wi_1[g]^T (summed in float32)."""
+    P, F = dh0_PF.shape
+    D = wi_0_GDF.shape[1]
+    t = p.tiles(F, D, dh0_PF.dtype.itemsize, lhs=2, rhs=2, split_k=False)
+
+    def kernel(tg_ref, a_ref, b_ref, w0_ref, w1_ref, dx_ref):
+        dx = jax.lax.dot_general(a_ref[...], w0_ref[...], _NT,
+                                 preferred_element_type=jnp.float32)
+        dx += jax.lax.dot_general(b_ref[...], w1_ref[...], _NT,
+                                  preferred_element_type=jnp.float32)
+        dx_ref[...] = dx.astype(dx_ref.dtype)
+
+    out = _compat.out_struct((P, D), dh0_PF.dtype, dh0_PF)
+    return _call(kernel, "shardlint_gmm_up_grad", t, F, D, p, tile_group_I, num_tiles,
+                 _row_specs(t, 2, True) + _weight_specs(t, 2, True), [out], 2,
+                 [dh0_PF, dh1_PF, wi_0_GDF, wi_1_GDF])[0]
+
+
+def _tgmm(x_PK: jax.Array, dy_PN: jax.Array, tile_group_I: jax.Array,
+          num_tiles: jax.Array, num_groups: int, p: Plan, out_dtype) -> jax.Array:
+    """dw_GKN[g] = sum over the tiles of group g of x_tile^T @ dy_tile."""
+    P, K = x_PK.shape
+    N = dy_PN.shape[1]
+    t = p.tgmm_tiles(K, N, x_PK.dtype.itemsize)
+
+    def kernel(tg_ref, x_ref, dy_ref, o_ref, acc_ref):
+        i, last = pl.program_id(2), pl.num_programs(2) - 1
+        g = tg_ref[i]
+        first = jnp.logical_or(i == 0, tg_ref[jnp.maximum(i - 1, 0)] != g)
+        final = jnp.logical_or(i == last, tg_ref[jnp.minimum(i + 1, last)] != g)
+        prod = jax.lax.dot_general(x_ref[...], dy_ref[...], (((0,), (0,)), ((), ())),
+                                   preferred_element_type=jnp.float32)
+
+        @pl.when(first)
+        def _():
+            acc_ref[...] = prod
+
+        @pl.when(jnp.logical_not(first))
+        def _():
+            acc_ref[...] += prod
+
+        @pl.when(final)
+        def _():
+            o_ref[...] = acc_ref[...].astype(o_ref.dtype)
+
+    call = pl.pallas_call(
+        kernel,
+        out_shape=_compat.out_struct((num_groups, K, N), out_dtype, x_PK),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=1,
+            grid=(K // t.k, N // t.n, num_tiles),
+            in_specs=[pl.BlockSpec((t.m, t.k), lambda kb, nb, i, tg: (i, kb)),
+                      pl.BlockSpec((t.m, t.n), lambda kb, nb, i, tg: (i, nb))],
+            out_specs=pl.BlockSpec((None, t.k, t.n), lambda kb, nb, i, tg: (tg[i], kb, nb)),
+            scratch_shapes=[pltpu.VMEM((t.k, t.n), jnp.float32)]),
+        compiler_params=_params(p, ("parallel", "parallel", "arbitrary")),
+        interpret=p.interpret,
+        cost_estimate=_cost(K, P, N, x_PK.dtype.itemsize),
+        name="shardlint_tgmm",
+    )
+    return call(tile_group_I, x_PK, dy_PN)
+
+
+# ---------------------------------------------------------------- the SwiGLU
+
+
+def tiled_swiglu(x_PD: jax.Array, wi_0_GDF: jax.Array, wi_1_GDF: jax.Array,
+                 wo_GFD: jax.Array, tile_group_I: jax.Array, num_tiles: jax.Array,
+                 p: Plan) -> jax.Array:
+    """Each row tile's group's SwiGLU, silu(x @ wi_0[g]) * (x @ wi_1[g]) @ wo[g], for the
+    first `num_tiles` tiles of `p.tm` rows (a 0-d int32); later rows are unwritten.
+
+    Five kernels: the two up-projections and silu in one pass (`_up`), the down
+    projection; backward, the down projection's input gradient through silu in one pass
+    (`_down_grad`), both up-projections' input gradients summed in one pass (`_up_grad`),
+    and the three weight gradients (`_tgmm`)."""
+    return _swiglu(*_compat.vary_alike(x_PD, wi_0_GDF, wi_1_GDF, wo_GFD, tile_group_I,
+                                       num_tiles), p)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def _swiglu(x_PD, wi_0_GDF, wi_1_GDF, wo_GFD, tile_group_I, num_tiles, p):
+    return _swiglu_fwd(x_PD, wi_0_GDF, wi_1_GDF, wo_GFD, tile_group_I, num_tiles, p)[0]
+
+
+def _swiglu_fwd(x_PD, wi_0_GDF, wi_1_GDF, wo_GFD, tile_group_I, num_tiles, p):
+    h0_PF, h1_PF, h_PF = _up(x_PD, wi_0_GDF, wi_1_GDF, tile_group_I, num_tiles, p)
+    y_PD = _gmm(h_PF, wo_GFD, tile_group_I, num_tiles, p, transpose_rhs=False)
+    return y_PD, (x_PD, wi_0_GDF, wi_1_GDF, wo_GFD, h0_PF, h1_PF, h_PF, tile_group_I,
+                  num_tiles)
+
+
+def _swiglu_bwd(p, residuals, dy_PD):
+    x_PD, wi_0_GDF, wi_1_GDF, wo_GFD, h0_PF, h1_PF, h_PF, tile_group_I, num_tiles = residuals
+    meta = (tile_group_I, num_tiles)
+    G = wo_GFD.shape[0]
+    dy_PD = dy_PD.astype(x_PD.dtype)
+    dwo = _tgmm(h_PF, dy_PD, *meta, G, p, wo_GFD.dtype)
+    dh0_PF, dh1_PF = _down_grad(dy_PD, wo_GFD, h0_PF, h1_PF, *meta, p)
+    dx_PD = _up_grad(dh0_PF, dh1_PF, wi_0_GDF, wi_1_GDF, *meta, p)
+    dwi_0 = _tgmm(x_PD, dh0_PF, *meta, G, p, wi_0_GDF.dtype)
+    dwi_1 = _tgmm(x_PD, dh1_PF, *meta, G, p, wi_1_GDF.dtype)
+    return (dx_PD, dwi_0, dwi_1, dwo, np.zeros(tile_group_I.shape, jax.dtypes.float0),
+            np.zeros(num_tiles.shape, jax.dtypes.float0))
+
+
+_swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)

@@ -1,0 +1,146 @@
+"""Token permutation for the Pallas grouped matmul: rows to tile-aligned groups and back.
+
+`padded_layout` puts row m (of group g = group_M[m]) at row `pos_M[m]` of a layout in which
+every group starts on a tile of `tm` rows and owns at least one tile; rows no group fills
+are padding (zero going in, never read coming out). It needs no sort: a row's rank within
+its group is a cumulative count, taken block by block as a product with a triangular
+matrix (the TPU's matrix unit does that at once; a cumsum or a sort over all rows is a
+long serial pass), plus a cumsum over the blocks' totals. Row m's place and the row in
+each padded slot (`src_P`, the inverse) are all the later steps need.
+
+`permute_rows` moves rows by those indices with gathers only, in both directions: the
+transpose of a gather is a scatter-add, slow on a TPU and serial over repeated indices;
+here the backward pass is the gather by the inverse indices (a row that feeds K slots
+sums the K gathered rows). Indices out of range read zeros.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+_RANK_BLOCK = 256  # rows per triangular product; counts below it are exact in bfloat16
+
+
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=("pos_M", "src_P", "tile_group_I", "num_tiles"),
+                   meta_fields=("rows",))
+@dataclasses.dataclass(frozen=True)
+class PaddedLayout:
+    """pos_M: row m's padded row (`rows` when its group is the padding group); src_P:
+    the row in each padded row (M for padding); tile_group_I: each tile's group;
+    num_tiles: the tiles in use (0-d int32)."""
+    pos_M: jax.Array
+    src_P: jax.Array
+    tile_group_I: jax.Array
+    num_tiles: jax.Array
+    rows: int
+
+
+def padded_layout(group_M: jax.Array, num_groups: int, tm: int) -> PaddedLayout:
+    """The tile-aligned layout of rows grouped by `group_M` (values in [0, num_groups];
+    `num_groups` marks a padding row, which gets no slot). Stable: rows of a group keep
+    their order."""
+    M, G = group_M.shape[0], num_groups
+    tiles_max = -(-M // tm) + G
+    rows = tiles_max * tm
+    ids_G = jnp.arange(G, dtype=jnp.int32)
+    onehot_MG = (group_M[:, None] == ids_G[None, :])
+    sizes_G = jnp.sum(onehot_MG, axis=0, dtype=jnp.int32)
+    tiles_G = jnp.maximum(1, (sizes_G + tm - 1) // tm)
+    tile_end_G = jnp.cumsum(tiles_G)
+    start_G = (tile_end_G - tiles_G) * tm
+    tile_I = jnp.arange(tiles_max, dtype=jnp.int32)
+    tile_group_I = jnp.minimum(jnp.sum(tile_I[:, None] >= tile_end_G[None, :], axis=1,
+                                       dtype=jnp.int32), G - 1)
+    rank_M = _rank_in_group(onehot_MG)
+    start_M = jnp.sum(jnp.where(onehot_MG, start_G[None, :], 0), axis=1)
+    pos_M = jnp.where(group_M < G, start_M + rank_M, rows).astype(jnp.int32)
+    src_P = jnp.full((rows,), M, jnp.int32).at[pos_M].set(
+        jnp.arange(M, dtype=jnp.int32), mode="drop", unique_indices=True)
+    return PaddedLayout(pos_M, src_P, tile_group_I, tile_end_G[-1].astype(jnp.int32), rows)
+
+
+def _rank_in_group(onehot_MG: jax.Array) -> jax.Array:
+    """For each row, how many earlier rows share its group (one-hot rows; none: 0)."""
+    M, G = onehot_MG.shape
+    B = min(_RANK_BLOCK, M)
+    blocks = -(-M // B)
+    oh = jnp.pad(onehot_MG, ((0, blocks * B - M), (0, 0))).astype(jnp.float32)
+    oh_NBG = oh.reshape(blocks, B, G)
+    before_BB = (jnp.arange(B)[:, None] > jnp.arange(B)[None, :]).astype(jnp.float32)
+    within_NBG = jnp.einsum("ij,njg->nig", before_BB.astype(jnp.bfloat16),
+                            oh_NBG.astype(jnp.bfloat16), preferred_element_type=jnp.float32)
+    totals_NG = jnp.sum(oh_NBG, axis=1)
+    earlier_NG = jnp.cumsum(totals_NG, axis=0) - totals_NG
+    count_NBG = within_NBG + earlier_NG[:, None, :]
+    rank = jnp.sum(count_NBG * oh_NBG, axis=-1).reshape(blocks * B)[:M]
+    return jnp.round(rank).astype(jnp.int32)
+
+
+@jax.custom_vjp
+def permute_rows(x_ND: jax.Array, idx_P: jax.Array, inverse_NR: jax.Array) -> jax.Array:
+    """out[p] = x_ND[idx_P[p]] (zero where idx_P[p] is out of range). `inverse_NR[n]`
+    lists the slots that read row n (out of range: none), so that the gradient is
+    dx[n] = sum over r of g[inverse_NR[n, r]]."""
+    return _take(x_ND, idx_P)
+
+
+def _take(x: jax.Array, idx: jax.Array) -> jax.Array:
+    return jnp.take(x, idx, axis=0, mode="fill", fill_value=0)
+
+
+def _permute_rows_fwd(x_ND, idx_P, inverse_NR):
+    return _take(x_ND, idx_P), (idx_P, inverse_NR)
+
+
+def _permute_rows_bwd(residuals, g_PD):
+    idx_P, inverse_NR = residuals
+    N, R = inverse_NR.shape
+    gathered = _take(g_PD, inverse_NR.reshape(N * R))
+    if R > 1:
+        gathered = jnp.sum(gathered.reshape(N, R, -1).astype(jnp.float32), axis=1)
+    dx_ND = gathered.astype(g_PD.dtype)
+    return (dx_ND, np.zeros(idx_P.shape, jax.dtypes.float0),
+            np.zeros(inverse_NR.shape, jax.dtypes.float0))
+
+
+permute_rows.defvjp(_permute_rows_fwd, _permute_rows_bwd)
+
+
+@jax.custom_vjp
+def gather_combine(y_PD: jax.Array, pos_TK: jax.Array, src_P: jax.Array,
+                   weights_TK: jax.Array) -> jax.Array:
+    """y_TD[t] = sum over k of weights_TK[t, k] * y_PD[pos_TK[t, k]], summed in float32,
+    in y's dtype: the unsort and the combine in one gather. `src_P[p]` is the flat
+    (t * K + k) index of the row in slot p (T * K for padding): the gradient of y_PD is
+    then a gather too, dy[p] = weights[src] * g[src // K]."""
+    return _combine(y_PD, pos_TK, weights_TK)
+
+
+def _combine(y_PD, pos_TK, weights_TK):
+    T, K = pos_TK.shape
+    y_TKD = _take(y_PD, pos_TK.reshape(T * K)).reshape(T, K, -1).astype(jnp.float32)
+    return jnp.sum(y_TKD * weights_TK[:, :, None], axis=1).astype(y_PD.dtype)
+
+
+def _gather_combine_fwd(y_PD, pos_TK, src_P, weights_TK):
+    return _combine(y_PD, pos_TK, weights_TK), (y_PD, pos_TK, src_P, weights_TK)
+
+
+def _gather_combine_bwd(residuals, g_TD):
+    y_PD, pos_TK, src_P, weights_TK = residuals
+    T, K = pos_TK.shape
+    g_TD = g_TD.astype(jnp.float32)
+    w_P = _take(weights_TK.reshape(T * K), src_P)
+    dy_PD = (_take(g_TD, src_P // K) * w_P[:, None]).astype(y_PD.dtype)
+    y_TKD = _take(y_PD, pos_TK.reshape(T * K)).reshape(T, K, -1).astype(jnp.float32)
+    dw_TK = jnp.sum(y_TKD * g_TD[:, None, :], axis=-1).astype(weights_TK.dtype)
+    return (dy_PD, np.zeros(pos_TK.shape, jax.dtypes.float0),
+            np.zeros(src_P.shape, jax.dtypes.float0), dw_TK)
+
+
+gather_combine.defvjp(_gather_combine_fwd, _gather_combine_bwd)

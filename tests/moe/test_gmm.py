@@ -1,0 +1,158 @@
+"""The Pallas grouped SwiGLU (`_gmm`) and its token permutation (`_permute`) against
+today's path (argsort, `ragged_dot`, scatter), in Pallas interpret mode on the CPU.
+
+On a TPU the layers pick these kernels for bfloat16; here `grouped_kernel("interpret")`
+forces them at float32 so that outputs and gradients can be compared at float32
+tolerances with the `ragged_dot` path (`grouped_kernel("xla")`, the CPU's own). Sizes
+stay tiny: interpret mode runs each grid step as a loop iteration.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from shardlint import moe
+from shardlint.moe import _experts, _gmm, _permute
+
+
+def _groups(seed: int, M: int, G: int, padding: bool) -> jax.Array:
+    """Uneven group ids, some groups empty; `padding`: some rows of group G (no group)."""
+    key = jax.random.key(seed)
+    probs = jnp.array([0.3, 0.0, 0.05] + [0.65 / (G - 3)] * (G - 3))
+    g = jax.random.choice(key, G, (M,), p=probs).astype(jnp.int32)
+    if padding:
+        g = jnp.where(jax.random.bernoulli(jax.random.key(seed + 1), 0.2, (M,)), G, g)
+    return g
+
+
+@pytest.mark.parametrize("tm", [4, 8])
+def test_padded_layout_is_tile_aligned_stable_and_inverted(tm):
+    M, G = 96, 6
+    group_M = _groups(0, M, G, padding=True)
+    lay = _permute.padded_layout(group_M, G, tm)
+    g, pos, src = map(np.asarray, (group_M, lay.pos_M, lay.src_P))
+    tile_group, num_tiles = np.asarray(lay.tile_group_I), int(lay.num_tiles)
+    valid = g < G
+    assert lay.rows == (-(-M // tm) + G) * tm and src.shape == (lay.rows,)
+    assert np.all(pos[~valid] == lay.rows)                       # padding rows: no slot
+    assert len(set(pos[valid])) == valid.sum()                   # one slot per row
+    assert np.all(tile_group[pos[valid] // tm] == g[valid])      # a tile holds one group
+    assert np.all(pos[valid] < num_tiles * tm)
+    for group in range(G):                                       # rows keep their order,
+        slots = pos[g == group]                                  # packed from the group's
+        assert np.all(np.diff(slots) == 1)                       # first tile
+        assert len(slots) == 0 or slots[0] % tm == 0
+        assert (tile_group[:num_tiles] == group).sum() == max(1, -(-len(slots) // tm))
+    assert np.all(np.diff(tile_group[:num_tiles]) >= 0)
+    np.testing.assert_array_equal(src[pos[valid]], np.nonzero(valid)[0])
+    assert np.sum(src < M) == valid.sum() and np.all(src[src >= M] == M)
+
+
+def _swiglu_case(dtype=jnp.float32):
+    N, R, G, D, F = 24, 2, 5, 16, 32
+    ks = jax.random.split(jax.random.key(3), 5)
+    x = jax.random.normal(ks[0], (N, D), dtype)
+    w0 = (jax.random.normal(ks[1], (G, D, F)) * D ** -0.5).astype(dtype)
+    w1 = (jax.random.normal(ks[2], (G, D, F)) * D ** -0.5).astype(dtype)
+    wo = (jax.random.normal(ks[3], (G, F, D)) * F ** -0.5).astype(dtype)
+    ct = jax.random.normal(ks[4], (N * R, D), dtype)
+    return x, (w0, w1, wo), _groups(4, N * R, G, padding=True), G, R, ct
+
+
+@pytest.mark.parametrize("source", ["repeat", "source_M"])
+def test_grouped_swiglu_pallas_matches_ragged_dot(moe_testlib, source):
+    x, w, group_M, G, R, ct = _swiglu_case()
+    M = group_M.shape[0]
+    kw = dict(repeat=R) if source == "repeat" else dict(source_M=(jnp.arange(M) * 7) % x.shape[0])
+
+    def vjp(kernel):
+        with _gmm.grouped_kernel(kernel, row_tile=8):
+            y, back = jax.vjp(lambda x, w: _experts.grouped_swiglu(x, group_M, G, *w, **kw), x, w)
+            return y, back(ct)
+    y, grads = vjp("interpret")
+    y_ref, grads_ref = vjp("xla")
+    moe_testlib.assert_tree_close((y, grads), (y_ref, grads_ref))
+    assert np.all(np.asarray(y)[np.asarray(group_M) == G] == 0)   # padding rows: zero
+
+
+def test_kernels_with_blocks_split_along_k_and_n(moe_testlib):
+    """A VMEM limit that forces K and N into blocks: the accumulating path of `_gmm`
+    and `_tgmm` give the same products."""
+    x, (w0, _, _), group_M, G, R, _ = _swiglu_case()
+    p = _gmm.Plan(8, interpret=True, vmem_limit=400_000)
+    assert p.tiles(256, 256, 4) == p.tgmm_tiles(256, 256, 4) == _gmm.Tiles(8, 128, 128)
+    K, N = 256, 256
+    xk = jax.random.normal(jax.random.key(5), (x.shape[0] * R, K))
+    wk = jax.random.normal(jax.random.key(6), (G, K, N)) / 16
+    lay = _permute.padded_layout(group_M, G, 8)
+    x_PK = _permute.permute_rows(xk, lay.src_P, lay.pos_M[:, None])
+    meta = (lay.tile_group_I, lay.num_tiles)
+    sizes = jnp.bincount(group_M, length=G + 1)[:G].astype(jnp.int32)
+    order = jnp.argsort(group_M, stable=True)
+    y_ref = jax.lax.ragged_dot(xk[order], wk, sizes)
+    y = _gmm._gmm(x_PK, wk, *meta, p, transpose_rhs=False)
+    valid = np.asarray(group_M)[np.asarray(order)] < G
+    rows = np.asarray(lay.pos_M)[np.asarray(order)][valid]
+    moe_testlib.assert_tree_close(np.asarray(y)[rows], np.asarray(y_ref)[valid], rtol=1e-4, atol=1e-4)
+    dw = _gmm._tgmm(x_PK, y, *meta, G, p, jnp.float32)
+    dw_ref = jax.vjp(lambda v: jax.lax.ragged_dot(xk[order], v, sizes), wk)[1](
+        jnp.where(valid[:, None], y_ref, 0))[0]
+    moe_testlib.assert_tree_close(dw, dw_ref, rtol=1e-4, atol=1e-3)
+
+
+def _layer_vjp(moe_testlib, layer, params, kernel):
+    x, r = moe_testlib.activations()
+    with _gmm.grouped_kernel(kernel, row_tile=8):
+        y, back = jax.vjp(layer, params, x)
+        return jax.device_get((y, back(r)))
+
+
+def test_routed_moe_with_pallas_kernels_matches_today(moe_testlib):
+    cfg = moe_testlib.config()
+    layer = moe.RoutedMoE(cfg)
+    params = layer.init(jax.random.key(0))
+    got = _layer_vjp(moe_testlib, jax.jit(layer), params, "interpret")
+    moe_testlib.assert_tree_close(got, _layer_vjp(moe_testlib, jax.jit(layer), params, "xla"))
+
+
+def test_sharded_moe_with_pallas_kernels_inside_shard_map(moe_testlib):
+    """On a one-device mesh (the benchmark's) the kernels run inside shard_map; where the
+    tokens vary over mesh axes the layer keeps ragged_dot (`_gmm.plan`), equal either way."""
+    cfg = moe_testlib.config()
+    params = moe.RoutedMoE(cfg).init(jax.random.key(0))
+    want = _layer_vjp(moe_testlib, jax.jit(moe.RoutedMoE(cfg)), params, "xla")
+    for shape in ((1, 1), (2, 2)):   # tokens sharded over no axis / over both
+        mesh = moe_testlib.make_mesh(shape, ("data", "context"))
+        axes = ((), ()) if shape == (1, 1) else ("data", "context")
+        sharded = moe.ShardedRoutedMoE(cfg, mesh, batch_axes=axes[0], seq_axes=axes[1],
+                                       weight_axes=())
+        step = jax.jit(sharded)
+        got = _layer_vjp(moe_testlib, step, params, "interpret")
+        moe_testlib.assert_tree_close(got, want)
+        with _gmm.grouped_kernel("interpret", row_tile=8):
+            text = str(jax.make_jaxpr(sharded)(params, moe_testlib.activations()[0]))
+        assert ("shardlint_gmm" in text) == (shape == (1, 1)), shape
+
+
+def test_plan_keeps_ragged_dot_off_the_tpu_and_for_odd_shapes():
+    bf16 = jnp.bfloat16
+    assert _gmm.plan(65536, (2048, 1024), 64, bf16, weights_whole=True) is None  # CPU
+    with _gmm.grouped_kernel("pallas"):
+        assert _gmm.plan(65536, (2048, 1024), 64, bf16, weights_whole=True) is not None
+        assert _gmm.plan(4096, (2048, 100), 8, bf16, weights_whole=True) is None
+        assert _gmm.plan(65536, (2048, 1024), 64, bf16, weights_whole=False) is None
+    with _gmm.grouped_kernel("xla"):
+        assert _gmm.plan(65536, (2048, 1024), 64, bf16, weights_whole=True) is None
+    with pytest.raises(ValueError, match="not one of"):
+        with _gmm.grouped_kernel("cuda"):
+            pass
+
+
+def test_row_tile_trades_padding_against_steps():
+    """More groups per row pad more: the tile does not grow with the group count."""
+    few, many = _gmm.row_tile(65536, 8), _gmm.row_tile(65536, 512)
+    assert few in _gmm.ROW_TILES and many in _gmm.ROW_TILES and many <= few
