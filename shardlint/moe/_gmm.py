@@ -1,25 +1,33 @@
 """Grouped matmul on a TPU: Pallas kernels over tile-aligned groups, and the choice of kernel.
 
 On a TPU `jax.lax.ragged_dot` runs at about half the FLOP/s of a dense product of the same
-size, and megablox's `gmm` is not faster at good tiles (measured on a v5e, see
-`benchmarks/tpu_moe.py`): a tile whose rows straddle two groups is computed once per group
+size, and megablox's `gmm` gains little at its best tiles (measured on a v5e, see
+`benchmarks/README.md`): a tile whose rows straddle two groups is computed once per group
 and masked. Here the rows come in a layout where every group starts on a tile boundary
 (`_permute.padded_layout`: each group padded to whole tiles of `tm` rows, padding rows
 zero), so every row tile belongs to one group, no tile is computed twice and no product
-is masked. Three kernels make the product and its gradients:
+is masked. Five kernels make the product and its gradients:
 
-  gmm    y_PN = x_PK @ w_GKN[group of the tile], tile by tile (rhs optionally transposed:
-         the input gradient dx_PK = dy_PN @ w_GKN[g]^T)
-  tgmm   dw_GKN[g] = x_PK[tiles of g]^T @ dy_PN[tiles of g], accumulated over the
-         consecutive tiles of a group (every group owns at least one tile, so every dw
-         block is written)
+  _up         h0 = x @ wi_0[g], h1 = x @ wi_1[g], h = silu(h0) * h1, one pass over x
+  _gmm        y = h @ wo[g], tile by tile
+  _down_grad  dh = dy @ wo[g]^T, then dh0, dh1 through silu, one pass
+  _up_grad    dx = dh0 @ wi_0[g]^T + dh1 @ wi_1[g]^T, one pass
+  _tgmm       dw[g] = x[tiles of g]^T @ dy[tiles of g], accumulated over the consecutive
+              tiles of a group (every group owns at least one tile: every block written)
+
+Fusing the SwiGLU's elementwise work and the two input gradients into the products pays on
+the v5e: nine unfused products at tm=256 took 24.3 ms one by one, the fused forward and
+backward 17.4 ms (142 TF/s); the [rows, F] intermediates are written and read once fewer,
+and the two [rows, D] input gradients are never written apart.
 
 Only the tiles in use run (the grid's row dimension is the traced tile count). Rows of the
 result past the last used tile are left unwritten; callers never read them.
 
 Which kernel runs is chosen per call (`plan`): the Pallas kernels on a TPU for bfloat16
 whose D and F tile by 128 and whose weights are whole on the device, `ragged_dot` (today's
-path, and the only one on CPU) otherwise. `grouped_kernel(...)` forces a choice for a
+path, and the only one on CPU) otherwise; also where the rows vary over `shard_map`
+axes (the Pallas interpreters of JAX 0.10.2 reject that, so the path is untested on
+several devices). `grouped_kernel(...)` forces a choice for a
 scope: "xla" (ragged_dot), "pallas", or "interpret" (the Pallas kernels in interpret mode,
 any backend and dtype; what the CPU tests use). The names carry "gmm" so that the
 analyzer's grouped-matmul pattern (`analyzer._patterns`) recognises the pallas_calls.
@@ -52,9 +60,13 @@ _row_tile: contextvars.ContextVar[int | None] = contextvars.ContextVar("shardlin
 # limit is 16-32 MiB, too small for a whole 2048 x 1024 weight block double-buffered).
 VMEM_LIMIT = 64 * 2 ** 20
 _VMEM_LIMIT_V4 = 28 * 2 ** 20
-# Row tiles tried, and the per-grid-step cost that makes small tiles slow, in units of
-# rows of work: measured on a v5e (benchmarks/tpu_moe.py --sweep), a 128-row step of a
-# 2048 x 1024 product ran at the same FLOP/s as a 256-row one within this much.
+# Row tiles tried, and the cost model `row_tile` picks from. Fitted to one v5e
+# (benchmarks/tpu_moe.py --sweep, 2026-12-05: 2048 x 1024 products of 65536 rows in 64
+# groups): the nine products of a SwiGLU's forward and backward took 25.7 / 24.3 / 23.2 ms
+# at tm = 128 / 256 / 512, i.e. each grid step costs about 58 rows' work besides its
+# rows. The XLA ops around the kernels run over the layout's static rows, about 0.4 of a
+# computed row each. RoutedMoE's training step then measured 33.81 / 32.90 / 33.29 ms at
+# tm = 128 / 256 / 512 (--row-tiles), and the model picks 256 for that shape.
 ROW_TILES = (128, 256, 512)
 STEP_OVERHEAD_ROWS = 58
 STATIC_ROW_COST = 0.4
