@@ -31,6 +31,10 @@ def _add_target(p: argparse.ArgumentParser) -> None:
     where.add_argument("--devices", type=int, metavar="N",
                        help="simulate N CPU devices and call the target with mesh=None, for "
                             "targets that build their own mesh (MaxText does)")
+    p.add_argument("--params-argnums", type=_argnums, metavar="I,J",
+                   help="the positional arguments of the step that hold parameters and optimizer "
+                        "state (default: read from the values: a floating-point argument is a "
+                        "weight until something computes from it or it is treated as tokens)")
     p.add_argument("--set", dest="options", action="append", metavar="KEY=VALUE",
                    help="pass KEY=VALUE to the target as a keyword argument (repeatable; VALUE "
                         "is read as JSON when it parses, else as a string), e.g. "
@@ -118,6 +122,16 @@ def _axis_list(text: str) -> tuple[str, ...]:
     if not names:
         raise argparse.ArgumentTypeError(f"expected mesh axis names like data,fsdp, got {text!r}")
     return names
+
+
+def _argnums(text: str) -> tuple[int, ...]:
+    try:
+        numbers = tuple(int(a) for a in text.split(",") if a.strip())
+    except ValueError:
+        numbers = ()
+    if not numbers or min(numbers) < 0:
+        raise argparse.ArgumentTypeError(f"expected argument positions like 0,1, got {text!r}")
+    return numbers
 
 
 def _negative_values_attached(argv: list[str]) -> list[str]:

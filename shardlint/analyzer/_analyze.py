@@ -19,10 +19,10 @@ from ._buffers import memory_of_buffer_assignment
 from ._causes import explain
 from ._collectives import collectives_of
 from ._compile import Compiled, compile_step
-from ._dataflow import input_marks
+from ._dataflow import provenance
 from ._detect import find_lost_sharding
 from ._dump import read_dump
-from ._given import entry_marks_of_module, mesh_of_module
+from ._given import mesh_of_module
 from ._graph import build_graph
 from ._hlo import parse_hlo
 from ._model import Analysis, Memory
@@ -65,7 +65,6 @@ def analyze_dump(folder: str, *, module: str | None = None, mesh: dict[str, int]
     dumped = read_dump(folder, module)
     if progress:
         progress(f"reading {dumped.stem} ({dumped.platform}) from {folder}")
-    given = _parsed(dumped, "given")
     header = (dumped.given or dumped.partitioned).split("\n", 1)[0]
     compiled = Compiled(
         dumped=dumped,
@@ -76,7 +75,6 @@ def analyze_dump(folder: str, *, module: str | None = None, mesh: dict[str, int]
                      else "gspmd"),
         platform=dumped.platform,
         asked=_asked_in(dumped),
-        entry_marks=entry_marks_of_module(given),
     )
     return _explain(compiled, {}, progress)
 
@@ -87,7 +85,7 @@ def _explain(compiled: Compiled, versions: dict[str, str], progress) -> Analysis
     dumped = compiled.dumped
     partitioned = _parsed(dumped, "partitioned")
     collectives = collectives_of(partitioned, compiled.mesh)
-    marks = input_marks(partitioned, compiled.entry_marks)
+    flow = provenance(partitioned, compiled.named_params)
     drops, requested, graph = (), (), None
     if dumped.propagated is not None:
         graph = build_graph(_parsed(dumped, "propagated"), compiled.mesh,
@@ -97,7 +95,7 @@ def _explain(compiled: Compiled, versions: dict[str, str], progress) -> Analysis
         drops, requested, collectives = find_lost_sharding(graph, compiled.mesh, collectives,
                                                            asked_lines)
     collectives, findings, requested = explain(
-        collectives, partitioned, marks, drops, requested, compiled.asked, graph,
+        collectives, partitioned, flow, drops, requested, compiled.asked, graph,
         compiled.remats, compiled.mesh.as_dict())
     return Analysis(
         mesh=compiled.mesh.as_dict(),

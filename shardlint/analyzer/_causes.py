@@ -6,8 +6,14 @@ sharded in the propagated module (a scatter, a gather, a reduce-window, a dynami
 a custom call), and only the partitioned module shows them. For each collective, in order:
 
 - `reduction`: an all-reduce or reduce-scatter of partial sums;
-- `weights`: it moves a value derived from the step's parameters only (FSDP, ZeRO),
-  as the dataflow from the entry parameters says (`_dataflow.py`);
+- `lost`, at once, for what a propagation drop moves (`_detect.py`): XLA's propagated
+  module says the op dropped the axis of that value;
+- `weights`: it moves a step parameter that nothing computed from (FSDP, ZeRO), as the
+  provenance of its value says (`_dataflow.py`), for an op that may want a weight whole
+  (a contraction, an embedding's gather). An argument that the program treats as tokens,
+  or that XLA's partitioner gathered for an op that orders or counts tokens (its label on
+  the collective is in `TOKEN_OPS`: sort, top_k, a cumulative sum, a scatter), is an input
+  activation, and so is all that moves it;
 - `requested` (gathers) or `layout` (all-to-all, permutes): the code wrote the collective
   inside a shard_map, or a constraint / reshard / shard_map spec at that op asked for a
   sharding without the axis. What the constraint asked is read, not assumed: a constraint
@@ -28,11 +34,11 @@ import dataclasses
 import networkx as nx
 
 from ._collectives import primitive_of
-from ._dataflow import DATA, WEIGHTS as WEIGHT_MARK
+from ._dataflow import Provenance
 from ._detect import describe, neighbourhood
-from ._graph import sharding_of, source_of, stack_key, user_stack_of
+from ._graph import dims_of, sharding_of, source_of, stack_key, user_stack_of
 from ._hlo import HloModule
-from ._patterns import NEEDS_WHOLE, feeds_grouped_matmul
+from ._patterns import NEEDS_WHOLE, TOKEN_OPS, feeds_grouped_matmul
 from ._model import (LAYOUT, LOST, REDUCTION, REMATERIALIZED, REQUESTED, RESHARDED, UNSPLIT, WEIGHTS,
                      Collective, Finding, Requested, Source)
 from ._stablehlo import Asked
@@ -64,7 +70,7 @@ class _Ask:
     listed_when_used: bool = False   # listed only when it explains a collective
 
 
-def explain(collectives: tuple[Collective, ...], module: HloModule, marks: dict[str, int],
+def explain(collectives: tuple[Collective, ...], module: HloModule, flow: Provenance,
             drops: tuple[Finding, ...], requested: tuple[Requested, ...], asked: tuple[Asked, ...],
             graph: nx.DiGraph | None, remats: tuple[Remat, ...], mesh_axes: dict[str, int]):
     """Returns (collectives with causes, findings, requested entries)."""
@@ -72,11 +78,16 @@ def explain(collectives: tuple[Collective, ...], module: HloModule, marks: dict[
     stacks = _stack_index(graph) if graph is not None else {}
     asks = _asks(requested, asked, graph, stacks, mesh_axes)
     dropped_by = {cid: f for f in drops for cid in f.collectives}
+    # Arguments XLA's partitioner gathered for an op that orders or counts tokens (its own
+    # label on the collective) carry tokens.
+    for c in collectives:
+        if primitive_of(c.xla_op_path) in TOKEN_OPS:
+            flow = flow.with_tokens(flow.moved_weights(flow.of(c.id)))
     explained, used_asks = [], set()
     for c in collectives:
         instr = by_name.get(c.id)
         own = stack_key(user_stack_of(instr)) if instr is not None else ()
-        cause, ask = _cause(c, marks.get(c.id, DATA), own, dropped_by, asks)
+        cause, ask = _cause(c, flow.is_weight(c.id), own, dropped_by, asks)
         if ask is not None:
             used_asks.add(ask)
         explained.append(dataclasses.replace(c, cause=cause))
@@ -90,16 +101,16 @@ def explain(collectives: tuple[Collective, ...], module: HloModule, marks: dict[
     return tuple(explained), tuple(findings), requested
 
 
-def _cause(c: Collective, mark: int, own: tuple, dropped_by, asks) -> tuple[str, _Ask | None]:
+def _cause(c: Collective, weight: bool, own: tuple, dropped_by, asks) -> tuple[str, _Ask | None]:
     if c.kind in _REDUCTIONS:
         return REDUCTION, None
-    if not mark & DATA and mark & WEIGHT_MARK:
+    if c.id in dropped_by:
+        return LOST, None   # XLA's propagation dropped the axis of what it moves: tokens
+    if weight:
         return WEIGHTS, None
     asked_kind = REQUESTED if c.kind == "all-gather" else LAYOUT
     if primitive_of(c.xla_op_path) in _WRITTEN:
         return asked_kind, None
-    if c.id in dropped_by:
-        return LOST, None
     consumer = stack_key(c.stack)
     for ask in asks:
         if set(c.axes) & set(ask.requested.axes) and (own in ask.stacks or consumer in ask.stacks):
@@ -209,6 +220,7 @@ def _finding(op: str, op_path: str, members: list[Collective], graph, node) -> F
     stack = _stack_of(members, graph, node)
     operand = result = first.shape
     spec: tuple = ()
+    dims: tuple = ()
     sharded: list = []
     if node is not None:
         result = describe(graph, node, 0)
@@ -217,6 +229,7 @@ def _finding(op: str, op_path: str, members: list[Collective], graph, node) -> F
         if sharded:
             operand = describe(graph, *sharded[0])
             spec = sharding_of(graph, *sharded[0]).dims
+            dims = tuple(dims_of(graph, *sharded[0]))
     nbytes = sum(c.step_bytes for c in members)
     loops = {c.trips for c in members if c.in_loop}
     per = f" x{loops.pop()} iterations" if len(loops) == 1 and None not in loops else ""
@@ -249,7 +262,8 @@ def _finding(op: str, op_path: str, members: list[Collective], graph, node) -> F
         operand_shape=operand, result_shape=result, collectives=tuple(c.id for c in members),
         bytes=nbytes, message=message, way_out=way_out,
         neighbourhood=neighbourhood(graph, node) if node is not None else None,
-        operand_spec=spec, operand_shapes=operands, cause=LOST, needed_by=op, stack=stack)
+        operand_spec=spec, operand_dims=dims, operand_shapes=operands, cause=LOST, needed_by=op,
+        stack=stack)
 
 
 def _stack_of(members, graph, node) -> tuple[Source, ...]:

@@ -26,7 +26,6 @@ from jax.sharding import NamedSharding
 
 from .. import _jax
 from .._errors import AnalysisError
-from ._dataflow import DATA, WEIGHTS
 from ._devices import MeshInfo
 from ._dump import PROPAGATION_PASSES, DumpedModule, read_dump
 from ._jaxpr import grouped_matmul_sources
@@ -53,7 +52,7 @@ class Compiled:
     grouped_matmul_sources: frozenset = frozenset()  # (file, line) of ragged_dot & co (live)
     asked: tuple[Asked, ...] = ()
     topology: str | None = None      # TPU topology of compile-only devices (libtpu AOT)
-    entry_marks: dict[int, int] = dataclasses.field(default_factory=dict)  # parameter -> DATA/WEIGHTS
+    named_params: frozenset[int] | None = None   # entry parameters the user named (params_argnums)
     remats: tuple[Remat, ...] = ()   # "Involuntary full rematerialization" logged by XLA
     mesh_object: Any = None          # the jax.sharding.Mesh the arguments live on
 
@@ -116,7 +115,7 @@ def compile_step(fn: Callable, args: tuple, mesh=None, progress=None,
         grouped_matmul_sources=grouped_matmul_sources(traced.jaxpr),
         asked=asked,
         topology=topology,
-        entry_marks=_entry_marks(traced, lowered, params_argnums),
+        named_params=_named_params(traced, lowered, params_argnums),
         remats=involuntary_rematerializations(log.text),
         mesh_object=mesh,
     )
@@ -137,33 +136,24 @@ def compile_error(error: Exception, info: MeshInfo, topology: str | None) -> Ana
                          f"the batch or sequence smaller")
 
 
-def _entry_marks(traced, lowered, params_argnums) -> dict[int, int]:
-    """Entry parameter number -> DATA or WEIGHTS, by the argument it holds.
-
-    The parameters are the positional arguments in `params_argnums`; when it is None they
-    are inferred as a training step returns them: every argument but the last whose
-    floating-point leaves come back as outputs of the same shape and dtype (updated
-    parameters or optimizer state, or their gradients). The last argument (the batch) is
-    always data, and so is anything not inferred: calling a weight an activation costs a
-    false finding, calling an activation a weight would hide a lost gather.
-    """
+def _named_params(traced, lowered, params_argnums) -> frozenset[int] | None:
+    """The entry parameters that hold the positional arguments `params_argnums` names (None
+    where it names none: then every floating-point argument may be a weight)."""
+    if params_argnums is None:
+        return None
     # The positional arguments as the jitted function received them (for nnx.jit, the
     # graph nodes' states), each as its flat leaves.
     positional = traced.args_info[0]
-    leaves_per_arg = [jax.tree_util.tree_leaves(a) for a in positional]
-    if params_argnums is None:
-        params_argnums = parameter_argnums(leaves_per_arg, traced.jaxpr.out_avals)
-    marks = [WEIGHTS if i in params_argnums else DATA
-             for i, leaves in enumerate(leaves_per_arg) for _ in leaves]
-    kept = _jax.kept_argument_indices(lowered, len(marks))
-    return {number: marks[index] for number, index in enumerate(kept) if index < len(marks)}
+    named = [i in params_argnums for i, a in enumerate(positional) for _ in jax.tree_util.tree_leaves(a)]
+    kept = _jax.kept_argument_indices(lowered, len(named))
+    return frozenset(number for number, index in enumerate(kept) if index < len(named) and named[index])
 
 
 def parameter_argnums(leaves_per_arg: list[list], out_avals) -> tuple[int, ...]:
-    """The positional arguments that hold parameters, as a training step returns them:
+    """The positional arguments that hold parameters as a training step returns them:
     every argument but the last whose floating-point leaves come back as outputs of the
-    same shape and dtype. The analysis (weights vs data) and the rewrite (which
-    arguments carry tokens) read the same answer."""
+    same shape and dtype. Only the rewrite's last resort for which arguments carry tokens
+    (`rewrites._trace`), when no argument is sharded like the lost tokens."""
     outputs = {(tuple(a.shape), str(a.dtype)) for a in out_avals}
     return tuple(i for i, leaves in enumerate(leaves_per_arg[:-1])
                  if any(_is_float(x) for x in leaves)

@@ -179,7 +179,8 @@ def _finding(graph, node, op, lost, operand, element, feeds, ids, nbytes) -> Fin
                    "inside jax.shard_map, or over a dimension that is not sharded")
     return Finding("lost-sharding", op, lost, feeds, source_of(graph, node), data["op_path"], before, after,
                    ids, nbytes, message, way_out, neighbourhood(graph, node),
-                   sharding_of(graph, operand, element).dims, needed_by=op,
+                   sharding_of(graph, operand, element).dims,
+                   operand_dims=dims_of(graph, operand, element), needed_by=op,
                    stack=user_stack_of(data["instr"], as_sources=True))
 
 

@@ -5,7 +5,7 @@ with `read_dump`; `shardlint analyze --xla-dump DIR` reads the folder a real job
 the same function. Per compiled module XLA writes, under one file-name stem
 (`module_0012.jit_train_step`, on TPU followed by `.cl_<changelist>`):
 
-- `STEM.before_optimizations.txt`: the HLO it was given (mesh, parameter names);
+- `STEM.before_optimizations.txt`: the HLO it was given (its mesh);
 - `STEM.[cpu_|sm_9.0_gpu_]after_optimizations.txt`: the partitioned, optimized HLO, with
   every collective;
 - `STEM.NNNN.<pipeline>.after_<pass>.before_<next>.txt`: the module after each pass that
@@ -50,7 +50,7 @@ class DumpedModule:
     partitioned: str                 # HLO after optimizations: every collective
     propagated: str | None = None    # HLO after the last sharding-propagation pass
     propagation_pass: str | None = None  # its pass: shardy-xla (Shardy) or sharding-propagation
-    given: str | None = None         # HLO before optimizations: mesh, parameter names
+    given: str | None = None         # HLO before optimizations: its mesh
     stablehlo: str | None = None     # the StableHLO the compiler was given (module.mlir)
     buffer_assignment: str | None = None
     files: dict[str, str] = dataclasses.field(default_factory=dict)  # text -> its file's path
@@ -66,8 +66,8 @@ class DumpedModule:
             notes.append(f"no {self.stem}/module.mlir: what the code asked for (constraints, "
                          f"shard_map specs) is unknown, so a gather it asked for can read as lost")
         if self.given is None:
-            notes.append(f"no {self.stem}.before_optimizations.txt: parameter names unknown, "
-                         f"every gather counts as an activation's")
+            notes.append(f"no {self.stem}.before_optimizations.txt: the mesh comes from "
+                         f"module.mlir or --mesh")
         if self.buffer_assignment is None:
             notes.append("no buffer-assignment dump: memory unknown")
         elif self.platform == "tpu":

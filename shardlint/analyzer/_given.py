@@ -1,38 +1,26 @@
-"""What a dumped module says about the step it came from: its mesh and its arguments.
+"""What a dumped module says about the mesh the step ran on.
 
-A live analysis knows the mesh and which arguments hold parameters from the traced step.
-Reading a dump, the same facts come from the module XLA was given
-(`before_optimizations`), as JAX lowered it:
-
-- the mesh: Shardy modules carry it as `frontend_attributes={xla.sdy.meshes={mesh =
-  #sdy.mesh<["data"=2, "context"=4]>}}` on the module line (JAX 0.10), or only in the
-  StableHLO the compiler was given, `sdy.mesh @mesh = <["data"=2, "context"=4]>` (JAX
-  0.12). A GSPMD module names no axes; then the mesh it ran on must be given (`--mesh`).
-- the arguments: each entry parameter's `op_name` is the argument's path as JAX named it
-  (`params['w_in']`, `state.opt_state[0].mu['w']`, `x_BSD`); grouped by their leading name
-  they are the step's positional arguments, and `parameter_argnums` tells parameters from
-  the batch as it does live.
+A live analysis knows the mesh from the traced step. Reading a dump, it comes from the
+module XLA was given (`before_optimizations`), as JAX lowered it: Shardy modules carry it
+as `frontend_attributes={xla.sdy.meshes={mesh = #sdy.mesh<["data"=2, "context"=4]>}}` on
+the module line (JAX 0.10), or only in the StableHLO the compiler was given, `sdy.mesh
+@mesh = <["data"=2, "context"=4]>` (JAX 0.12). A GSPMD module names no axes; then the mesh
+it ran on must be given (`--mesh`). Which arguments are weights needs no more than the
+partitioned module (`_dataflow`).
 """
 
 from __future__ import annotations
 
 import re
-from types import SimpleNamespace
 
 import numpy as np
 
 from .._errors import AnalysisError
-from ._compile import parameter_argnums
-from ._dataflow import DATA, WEIGHTS
 from ._devices import MeshInfo
-from ._hlo import HloModule
 
 _MESH_RE = re.compile(r'sdy\.mesh(?:\s+@[\w.]+\s*=\s*)?<\[([^\]]*)\]')
 _AXIS_RE = re.compile(r'\\?"([^"\\]+)\\?"\s*=\s*(\d+)')
 _PARTITIONS_RE = re.compile(r"\bnum_partitions=(\d+)")
-_ARGUMENT_RE = re.compile(r"^[A-Za-z_]\w*(?:\[\d+\])?")
-# HLO element types -> numpy names, for the float test `parameter_argnums` makes.
-_FLOATS = {"f16": "float16", "bf16": "float32", "f32": "float32", "f64": "float64"}
 
 
 def mesh_of_module(header: str, stablehlo: str | None = None,
@@ -61,32 +49,6 @@ def mesh_of_module(header: str, stablehlo: str | None = None,
                             f"over its {devices} devices: give the mesh it was compiled on, e.g. "
                             f"--mesh data=2,context={max(devices // 2, 1)}")
     return MeshInfo(tuple(n for n, _ in named), tuple(s for _, s in named))
-
-
-def entry_marks_of_module(given: HloModule | None) -> dict[int, int]:
-    """Entry parameter number -> DATA or WEIGHTS, by the argument JAX named it after.
-    Without names every parameter is data (a false finding rather than a hidden one)."""
-    if given is None:
-        return {}
-    entry = given.entry
-    parameters = [i for i in entry.instructions if i.opcode == "parameter"
-                  and i.parameter_number is not None]
-    groups: dict[str, list] = {}
-    for p in sorted(parameters, key=lambda i: i.parameter_number):
-        m = _ARGUMENT_RE.match(p.op_name)
-        if m is None:
-            return {}  # unnamed parameters: nothing to group by
-        groups.setdefault(m.group(0), []).append(p)
-    leaves_per_arg = [[_leaf(p.result[0]) for p in members if p.result] for members in groups.values()]
-    root = entry.root
-    outputs = [_leaf(a) for a in root.result] if root is not None else []
-    weights = set(parameter_argnums(leaves_per_arg, outputs))
-    return {p.parameter_number: WEIGHTS if index in weights else DATA
-            for index, members in enumerate(groups.values()) for p in members}
-
-
-def _leaf(array) -> SimpleNamespace:
-    return SimpleNamespace(shape=array.dims, dtype=np.dtype(_FLOATS.get(array.dtype, "int32")))
 
 
 def _text(axes: dict[str, int]) -> str:

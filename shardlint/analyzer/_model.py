@@ -88,6 +88,7 @@ class Finding:
     way_out: str
     neighbourhood: Neighbourhood | None = None
     operand_spec: tuple[tuple[str, ...], ...] = ()   # mesh axes per operand dim, as propagated
+    operand_dims: tuple[int, ...] = ()                # the operand's global shape
     # a resharded-operand finding's operands, each "global shape P(...)", as propagated
     operand_shapes: tuple[str, ...] = ()
     cause: str = LOST
@@ -188,6 +189,7 @@ class Analysis:
                            "source": src(f["source"]),
                            "neighbourhood": _neighbourhood(f.get("neighbourhood")),
                            "operand_spec": tuple(tuple(d) for d in f.get("operand_spec", ())),
+                           "operand_dims": tuple(f.get("operand_dims", ())),
                            "operand_shapes": tuple(f.get("operand_shapes", ())),
                            "stack": stack(f.get("stack"))})
                 for f in doc["findings"]),

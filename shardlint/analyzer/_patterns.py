@@ -29,6 +29,10 @@ NEEDS_WHOLE = {"reshape", "sort", "argsort", "top_k", "cumsum", "cumprod", "cumm
                "scatter-min", "scatter-max", "gather", "dynamic_slice", "dynamic_update_slice",
                "reduce_window", "reduce_window_sum", "reduce_window_max", "custom_call",
                "pallas_call", "ragged_dot", "ragged_dot_general", "segment_sum"}
+# Of those, the ops that order, count or scatter tokens: nothing gathers a weight for them.
+TOKEN_OPS = {"sort", "argsort", "top_k", "cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp",
+             "scatter", "scatter-add", "scatter_add", "scatter-mul", "scatter-min", "scatter-max",
+             "reduce_window", "reduce_window_sum", "reduce_window_max", "segment_sum"}
 
 
 

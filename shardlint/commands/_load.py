@@ -17,7 +17,7 @@ def progress(message: str) -> None:
 _NEEDS_A_TARGET = (("devices", "--devices"), ("options", "--set"), ("topology", "--topology"),
                    ("rewrite", "--rewrite"), ("batch_axes", "--batch-axes"),
                    ("seq_axes", "--seq-axes"), ("per_shard_capacity", "--per-shard-capacity"),
-                   ("sweep", "--sweep"))
+                   ("sweep", "--sweep"), ("params_argnums", "--params-argnums"))
 
 
 def reads_dump(args) -> bool:

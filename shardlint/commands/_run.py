@@ -48,7 +48,7 @@ def analyze_command(args) -> int:
 
             fn = rewrite(fn, mesh, verify=_can_verify(args, True), args=step_args,
                          progress=progress, **_rewrite_options(args, mesh))
-        analysis = analyze(fn, *step_args, progress=progress)
+        analysis = analyze(fn, *step_args, params_argnums=args.params_argnums, progress=progress)
         title = args.target + (" (rewritten)" if args.rewrite else "")
     fit = fit_of(analysis, args.hbm_gib)
     print(format_text(analysis, title=title, fit=fit))
@@ -62,8 +62,11 @@ def analyze_command(args) -> int:
 
 
 def _rewrite_options(args, mesh) -> dict:
-    """The rewrite's `batch_axes=`/`seq_axes=`/`capacity=` from the command line."""
+    """The rewrite's `batch_axes=`/`seq_axes=`/`capacity=`/`params_argnums=` from the
+    command line."""
     options = {"capacity": "per-shard"} if args.per_shard_capacity else {}
+    if args.params_argnums is not None:
+        options["params_argnums"] = args.params_argnums
     if args.batch_axes and not args.seq_axes:
         raise UsageError("--batch-axes needs --seq-axes too: the rewrite runs per shard over both")
     if not args.seq_axes:
@@ -164,7 +167,7 @@ def check_command(args) -> int:
         from ..analyzer import analyze
 
         _mesh, fn, step_args = load(args)
-        return analyze(fn, *step_args, progress=progress)
+        return analyze(fn, *step_args, params_argnums=args.params_argnums, progress=progress)
 
     return run_check(args, analysis_of=analysis, progress=progress)
 

@@ -75,7 +75,7 @@ def analyze_pair(fn: Callable, args: tuple, mesh, *, rewrite: bool = True, verif
     With `on_rewrite_note`, a rewrite that is refused (`RewriteError`) or that changes
     nothing is said to it in one sentence and the pair comes back without an after side
     (there is nothing to compare), instead of raising. `rewrite_options` are the rewrite's
-    `batch_axes=`, `seq_axes=` and `capacity=`.
+    `batch_axes=`, `seq_axes=`, `capacity=` and `params_argnums=` (the analyses' too).
     """
     import warnings
 
@@ -83,7 +83,8 @@ def analyze_pair(fn: Callable, args: tuple, mesh, *, rewrite: bool = True, verif
     from ..analyzer import analyze
     from ..rewrites import rewrite as rewrite_step
 
-    before = analyze(fn, *args, progress=progress)
+    params_argnums = rewrite_options.get("params_argnums")
+    before = analyze(fn, *args, params_argnums=params_argnums, progress=progress)
     if not rewrite:
         return before, None
     try:
@@ -102,7 +103,7 @@ def analyze_pair(fn: Callable, args: tuple, mesh, *, rewrite: bool = True, verif
         return before, None
     if progress:
         progress("analyzing the rewritten step")
-    return before, analyze(fixed, *args, progress=progress)
+    return before, analyze(fixed, *args, params_argnums=params_argnums, progress=progress)
 
 
 def run_sweep(target: str, mesh: dict[str, int], sweep: tuple[str, tuple[int, ...]], *,

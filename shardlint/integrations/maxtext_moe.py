@@ -83,6 +83,40 @@ def make_moe_step(mesh: jax.sharding.Mesh | None = None, *, sparse: bool, scan_l
     MaxText's mesh is laid over `devices` (default: the first data x context of
     `jax.devices()`); a `mesh` given must have MaxText's axes and sizes.
     """
+    apply, params, rest, x = _layer(mesh, sparse=sparse, scan_layers=scan_layers, context=context,
+                                    data=data, sizes=sizes, dtype=dtype, devices=devices,
+                                    keep_maxtext_xla_flags=keep_maxtext_xla_flags, **overrides)
+
+    def loss_fn(params, rest, x):
+        return jnp.mean(jnp.square(apply(params, rest, x).astype(jnp.float32)))
+
+    argnums = (0, 2) if grad_x else 0
+
+    def moe_step(params, rest, x):
+        return jax.value_and_grad(loss_fn, argnums=argnums)(params, rest, x)
+
+    return moe_step, (params, rest, x)
+
+
+def make_moe_layer(mesh: jax.sharding.Mesh | None = None, **kwargs: Any):
+    """`(layer(params, x_BSD), params, x)`: MaxText's RoutedMoE as a function of its
+    parameters and input alone, for steps written around a layer (its other state, the
+    unused rng streams, made afresh inside). Keywords as `make_moe_step`'s."""
+    apply, params, rest, x = _layer(mesh, **kwargs)
+
+    def layer(params, x_BSD):
+        fresh = jax.tree.map(lambda a: jax.random.key(0) if jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key)
+                             else jnp.zeros(a.shape, a.dtype), rest)
+        return apply(params, fresh, x_BSD)
+
+    return layer, params, x
+
+
+def _layer(mesh, *, sparse: bool, scan_layers: bool = False, context: int = 4, data: int = 2,
+           sizes: Sizes | None = None, dtype: str = "float32", devices: Sequence[Any] | None = None,
+           keep_maxtext_xla_flags: bool = False, **overrides: Any):
+    """`(apply(params, rest, x), params, rest, x)`: MaxText's RoutedMoE split into its
+    parameters and the rest of its state, abstractly, with the input's shape."""
     from flax import nnx
     from flax.core.spmd import logical_axis_rules
     from maxtext.layers import initializers, moe
@@ -127,15 +161,9 @@ def make_moe_step(mesh: jax.sharding.Mesh | None = None, *, sparse: bool, scan_l
     x = jax.ShapeDtypeStruct((batch, config.max_target_length, config.emb_dim), config.dtype,
                              sharding=x_sharding)
 
-    def loss_fn(params, rest, x):
-        layer = nnx.merge(graphdef, params, rest)
-        out, _, _ = layer(x)
-        return jnp.mean(jnp.square(out.astype(jnp.float32)))
-
-    argnums = (0, 2) if grad_x else 0
-
-    def moe_step(params, rest, x):
+    def apply(params, rest, x):
         with logical_axis_rules(rules):  # MaxText's constraints resolve names at trace time
-            return jax.value_and_grad(loss_fn, argnums=argnums)(params, rest, x)
+            out, _, _ = nnx.merge(graphdef, params, rest)(x)
+        return out
 
-    return moe_step, (params, rest, x)
+    return apply, params, rest, x

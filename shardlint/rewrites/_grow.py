@@ -251,23 +251,37 @@ def _reaches(eqns, consumers, targets: set[int]) -> set[int]:
     return reaches
 
 
+# Random draws: drawn again at one shard's size, a shard would get another stream than its
+# slice of the global draw (a dropout mask over (batch, seq, ...)).
+_DRAWS = {"random_bits", "random_seed", "random_split", "random_fold_in", "threefry2x32",
+          "rng_bit_generator", "rng_uniform"}
+
+
+def _draws(eqn) -> bool:
+    """A random draw, or a call that makes one (`jax.random.bernoulli` is a jitted helper)."""
+    sub = sub_of(eqn)
+    return eqn.primitive.name in _DRAWS or (sub is not None and any(_draws(e) for e in sub.jaxpr.eqns))
+
+
 def _pull_in_constants(eqns, region, scaled, producer, leaves) -> set[int]:
     """Token-sized values built from nothing (iota, zeros, `arange(T) // K`, `leaves`)
     join the region with everything they are built from, so they are rebuilt at local
-    size. Returns the equations pulled in."""
+    size. A random draw is never drawn again: what is built from it joins, and the draw
+    comes in as an input, each shard its slice. Returns the equations pulled in."""
     memo: dict[int, bool] = {}
     pulled: set[int] = set()
 
     def buildable(p: int) -> bool:
         if p not in memo:
             memo[p] = False  # cycles cannot occur in a jaxpr; this guards the recursion
-            memo[p] = all(u not in scaled or producer.get(u) in region or u in leaves
-                          or (producer.get(u) is not None and buildable(producer[u]))
-                          for u in variables(eqns[p].invars))
+            memo[p] = _draws(eqns[p]) or all(
+                u not in scaled or producer.get(u) in region or u in leaves
+                or (producer.get(u) is not None and buildable(producer[u]))
+                for u in variables(eqns[p].invars))
         return memo[p]
 
     def pull(p: int) -> None:
-        if p in region:
+        if p in region or _draws(eqns[p]):
             return
         region.add(p)
         pulled.add(p)

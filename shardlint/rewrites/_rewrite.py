@@ -28,7 +28,7 @@ from ._emit import emit
 from ._jitted import jitted_like
 from ._regions import plan_regions
 from ._step import JittedStep
-from ._trace import TokenAxes, trace_step, user_frame_of
+from ._trace import TokenAxes, Tokens, trace_step, user_frame_of
 
 
 class RewrittenStep(JittedStep):
@@ -40,10 +40,11 @@ class RewrittenStep(JittedStep):
 
     def __init__(self, step: Callable, mesh, *, axes: TokenAxes | None = None,
                  progress: Callable[[str], None] | None = None, lost: _Lost | None = None,
-                 per_shard_capacity: bool = False):
+                 per_shard_capacity: bool = False, params_argnums: tuple[int, ...] | None = None):
         self.step = step
         self.mesh = mesh
         self.axes = axes
+        self.params_argnums = params_argnums
         self.lost = lost     # what an analysis of the first arguments built for said
         self.per_shard_capacity = per_shard_capacity
         self.progress = progress or (lambda message: None)
@@ -63,11 +64,13 @@ class RewrittenStep(JittedStep):
                                "axes: call it on arrays or ShapeDtypeStructs that carry them")
         lost, self.lost = self.lost, None
         if lost is None and self.axes is None:
-            lost = _lost_in(self.step, args, self.progress)
-        axes = self.axes or lost.axes
-        if axes is None:
+            lost = _lost_in(self.step, args, self.progress, params_argnums=self.params_argnums)
+        tokens = Tokens(self.axes) if self.axes else lost.tokens
+        if tokens is None:
             return self._unchanged(NOTHING_LOST)
-        traces = trace_step(self.step, args, axes, self.mesh)
+        axes = tokens.axes
+        traces = trace_step(self.step, args, dataclasses.replace(tokens, params_argnums=self.params_argnums),
+                            self.mesh)
         if traces.retraced:
             self.retraced = traces.retraced
             self.notes.append(f"{traces.retraced}: its jaxpr was traced there instead")
@@ -101,13 +104,16 @@ NOTHING_LOST = ("the analysis finds no sharding lost in routed-expert code (no f
 
 def rewrite(step: Callable, mesh, *, verify: bool = False, args: tuple | None = None,
             batch_axes: tuple[str, ...] | None = None, seq_axes: tuple[str, ...] | None = None,
-            analysis=None, capacity: str = "global", progress: Callable[[str], None] | None = None):
+            analysis=None, capacity: str = "global", params_argnums: tuple[int, ...] | None = None,
+            progress: Callable[[str], None] | None = None):
     """Returns `step` with each routed-expert region computed per shard.
 
     The token axes (those sharding batch and sequence where a routed layer loses the
     sharding: a flatten before a grouped matmul, or a routing op) come from the analysis
     of `step` on the arguments' shardings (pass `analysis=` to reuse one you have), or
-    from `batch_axes`/`seq_axes`. `capacity="per-shard"` lets a capacity computed from
+    from `batch_axes`/`seq_axes`. The arguments that carry those tokens (and shrink per
+    shard) are those sharded like the lost value, wherever they sit in the signature;
+    `params_argnums` names the parameters instead, for the analysis too. `capacity="per-shard"` lets a capacity computed from
     the tokens (GShard-style dispatch) run per shard: each shard then drops by its own
     capacity, which changes which tokens drop, so it is opt-in; by default such a region
     is refused. With `verify=True` (needs `args`) both versions run once on random inputs
@@ -130,12 +136,12 @@ def rewrite(step: Callable, mesh, *, verify: bool = False, args: tuple | None = 
     given = TokenAxes(tuple(batch_axes or ()), tuple(seq_axes)) if seq_axes else None
     lost = None
     if args is not None and (given is None or analysis is not None):
-        lost = _lost_in(step, args, progress, analysis)
+        lost = _lost_in(step, args, progress, analysis, params_argnums)
     axes = given or (lost.axes if lost else None)
     per_shard = capacity == "per-shard"
     swapped = None if args is not None and axes is None else swap_moe_layers(
         step, mesh, args=args, axes=axes, progress=progress)
-    result = swapped or _rewritten(step, mesh, given, progress, lost, per_shard)
+    result = swapped or _rewritten(step, mesh, given, progress, lost, per_shard, params_argnums)
     if args is not None:
         with warnings.catch_warnings():   # said once, below, at the caller's line
             warnings.simplefilter("ignore", NothingToRewrite)
@@ -173,8 +179,9 @@ def _warn_unchanged(note: str, stacklevel: int) -> None:
                   NothingToRewrite, stacklevel=stacklevel)
 
 
-def _rewritten(step, mesh, axes, progress, lost, per_shard_capacity):
-    kwargs = dict(axes=axes, progress=progress, lost=lost, per_shard_capacity=per_shard_capacity)
+def _rewritten(step, mesh, axes, progress, lost, per_shard_capacity, params_argnums=None):
+    kwargs = dict(axes=axes, progress=progress, lost=lost, per_shard_capacity=per_shard_capacity,
+                  params_argnums=params_argnums)
     if is_nnx_jit(step):
         return NnxRewrittenStep(step, RewrittenStep(step.jitted_fn, mesh, **kwargs))
     return RewrittenStep(step, mesh, **kwargs)
@@ -268,11 +275,16 @@ def _as_numpy(value) -> np.ndarray:
 
 @dataclasses.dataclass(frozen=True)
 class _Lost:
-    """What the analysis says to rewrite: the token axes at the lossy ops (None: nothing
-    lost in routed code) and the (file, line) of every op where sharding was lost."""
+    """What the analysis says to rewrite: the tokens at the lossy ops (their axes and sizes;
+    None: nothing lost in routed code) and the (file, line) of every op where sharding was
+    lost."""
 
-    axes: TokenAxes | None
+    tokens: Tokens | None
     lines: frozenset
+
+    @property
+    def axes(self) -> TokenAxes | None:
+        return self.tokens.axes if self.tokens else None
 
 
 # Ops the analysis names where a routed layer loses the sharding without a flatten
@@ -281,31 +293,34 @@ _ROUTING_FINDING_OPS = {"top_k", "scatter", "scatter-add", "gather", "sort", "cu
                         "reduce-window", "dot_general"}
 
 
-def _lost_in(step, args, progress, analysis=None) -> _Lost:
+def _lost_in(step, args, progress, analysis=None, params_argnums=None) -> _Lost:
     from ..analyzer import analyze
 
     if analysis is None:
-        analysis = analyze(step, *args, progress=progress)
+        analysis = analyze(step, *args, params_argnums=params_argnums, progress=progress)
     lost = [f for f in analysis.findings if f.cause == "lost"]
     lines = frozenset((s.file, s.line) for s in
                       [f.source for f in lost] + [c.source for c in analysis.collectives if c.cause == "lost"]
                       if s is not None)
     # A flatten of (batch, seq) has the sequence sharded in its second dimension; a lost
     # reshape without that (attention's heads split off a score tensor) is no flatten.
-    flattens = {a for f in lost if f.op == "reshape" and f.feeds_grouped_matmul and len(f.operand_spec) >= 2
-                for a in [_axes_of(f)] if a.seq}
-    routing = {a for f in lost if f.op in _ROUTING_FINDING_OPS and len(f.operand_spec) >= 3
-               for a in [_axes_of(f)] if a.seq}
-    found = flattens or routing
+    flattens = [t for f in lost if f.op == "reshape" and f.feeds_grouped_matmul and len(f.operand_spec) >= 2
+                for t in [_tokens_of(f)] if t.axes.seq]
+    routing = [t for f in lost if f.op in _ROUTING_FINDING_OPS and len(f.operand_spec) >= 3
+               for t in [_tokens_of(f)] if t.axes.seq]
+    found = {t.axes: t for t in reversed(flattens or routing)}   # the first finding's sizes
     if len(found) > 1:
         raise RewriteError(f"the lossy ops are sharded differently "
                            f"({sorted((a.batch, a.seq) for a in found)}); pass batch_axes= and "
                            "seq_axes= to choose")
-    return _Lost(found.pop() if found else None, lines)
+    return _Lost(next(iter(found.values())) if found else None, lines)
 
 
-def _axes_of(finding) -> TokenAxes:
-    return TokenAxes(tuple(finding.operand_spec[0]), tuple(finding.operand_spec[1]))
+def _tokens_of(finding) -> Tokens:
+    """The lost operand's batch and sequence: its first two dimensions' axes and sizes."""
+    dims = finding.operand_dims
+    return Tokens(TokenAxes(tuple(finding.operand_spec[0]), tuple(finding.operand_spec[1])),
+                  dims[0] if len(dims) > 1 else None, dims[1] if len(dims) > 1 else None)
 
 
 def random_like(args):

@@ -5,10 +5,10 @@ batch and sequence dimensions divided by their mesh degrees), and with only the 
 divided. The traces have the same equations (the user's code runs the same way at any
 size, or is made to: below), inside jit, scan and checkpoint bodies too, and their values
 are paired where the equations use them (`pair_vars`); a value whose dimension shrinks
-carries tokens along it, and by how much says which mesh axes shard it. Only data
-arguments shrink: parameters and optimizer state (the positional arguments a training
-step returns, as the analyzer reads them) keep their global shapes however they are
-sharded, so FSDP weights stay what they are.
+carries tokens along it, and by how much says which mesh axes shard it. Only the arguments
+that carry tokens shrink (`token_leaves`: sharded over the batch and sequence axes as the
+lost value was, whatever their place in the signature); parameters and optimizer state
+keep their global shapes however they are sharded, so FSDP weights stay what they are.
 
 A step whose Python does not trace at one shard's shapes (a mask of the configured
 sequence length meets a shard's scores), or traces into other equations there (a Python
@@ -76,7 +76,19 @@ def entry_axes(entry) -> tuple[str, ...]:
     return (entry,) if isinstance(entry, str) else tuple(entry)
 
 
-def trace_step(step: Callable, args: tuple, axes: TokenAxes, mesh) -> Traces:
+@dataclasses.dataclass(frozen=True)
+class Tokens:
+    """Which of the step's arguments carry tokens, as the analysis found them lost: the mesh
+    axes that shard their batch and sequence dimensions, and those dimensions' global sizes
+    (None: any size, where the axes were given rather than found)."""
+
+    axes: TokenAxes
+    batch_size: int | None = None
+    seq_size: int | None = None
+    params_argnums: tuple[int, ...] | None = None   # the user's word on which are parameters
+
+
+def trace_step(step: Callable, args: tuple, tokens: Tokens, mesh) -> Traces:
     flat, tree = jax.tree_util.tree_flatten(args)
     body = unwrap(step)
     out_tree: list = []
@@ -92,7 +104,8 @@ def trace_step(step: Callable, args: tuple, axes: TokenAxes, mesh) -> Traces:
     abstract = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in flat]
     global_jaxpr = jax.make_jaxpr(flat_fn(body))(*abstract)
     jit_eqn = jit_equation(step, args)
-    data = _data_leaves(args, global_jaxpr.out_avals)
+    axes = tokens.axes
+    data = token_leaves(args, tokens, mesh, global_jaxpr.out_avals)
     nb = _degree(mesh, axes.batch)
     ns = _degree(mesh, axes.seq)
     specs = [_spec_of(x) for x in flat]
@@ -263,10 +276,44 @@ def user_frame_of(traceback) -> str:
     return f" at {display_path(f.filename)}:{f.lineno} ({f.name})"
 
 
-def _data_leaves(args: tuple, out_avals) -> list[bool]:
+def token_leaves(args: tuple, tokens: Tokens, mesh, out_avals) -> list[bool]:
+    """Per flat leaf of `args`, whether it carries tokens (and shrinks per shard).
+
+    Read from the values, not from the signature: a leaf carries tokens when it has a
+    dimension sharded over the sequence axes, of the sequence's size, after one sharded over
+    the batch axes, of the batch's size (any dimension where the batch is not sharded), as
+    the lost value had them. Parameters sharded over the same axes (FSDP over data, MaxText's
+    embed dimension over context) lack that pair and keep their global shapes. Only when no
+    leaf has it does the position of the arguments decide (every positional argument but
+    the last that the step returns with the same shapes is a parameter); `params_argnums`
+    overrides both."""
     leaves_per_arg = [jax.tree_util.tree_leaves(a) for a in args]
-    params = parameter_argnums(leaves_per_arg, out_avals)
+    if tokens.params_argnums is not None:
+        params = set(tokens.params_argnums)
+    else:
+        found = [_carries_tokens(x, tokens, mesh) for leaves in leaves_per_arg for x in leaves]
+        if any(found):
+            return found
+        params = set(parameter_argnums(leaves_per_arg, out_avals))
     return [i not in params for i, leaves in enumerate(leaves_per_arg) for _ in leaves]
+
+
+def _carries_tokens(x, tokens: Tokens, mesh) -> bool:
+    spec = tuple(_spec_of(x)) + (None,) * len(getattr(x, "shape", ()))
+    shape = tuple(getattr(x, "shape", ()))
+    entries = [_real_axes(entry_axes(e), mesh) for e in spec[:len(shape)]]
+    batch, seq = _real_axes(tokens.axes.batch, mesh), _real_axes(tokens.axes.seq, mesh)
+    for j, (entry, size) in enumerate(zip(entries, shape)):
+        if not seq or entry != seq or tokens.seq_size not in (None, size):
+            continue
+        if not batch or any(entries[i] == batch and tokens.batch_size in (None, shape[i]) for i in range(j)):
+            return True
+    return False
+
+
+def _real_axes(names: tuple[str, ...], mesh) -> tuple[str, ...]:
+    """The axes of `names` that shard anything (size > 1 in the mesh)."""
+    return tuple(a for a in names if mesh.shape.get(a, 1) > 1)
 
 
 def _degree(mesh, names: tuple[str, ...]) -> int:

@@ -84,12 +84,11 @@ def make_scatter_dispatch_step(mesh):
     return _loss_step(_scatter_moe), (_moe_params(mesh), _batch(mesh))
 
 
-def _capacity_moe(params, x_BSD):
+def _capacity_moe(params, x_BSD, capacity: int = SEQ * TOP_K // EXPERTS):
     logits_BSE = jnp.einsum("bsd,de->bse", x_BSD, params["w_gate"])
     probs_BSE = jax.nn.softmax(logits_BSE, axis=-1)
     _, experts_BSK = jax.lax.top_k(probs_BSE, TOP_K)
     mask_BSE = jax.nn.one_hot(experts_BSK, EXPERTS, dtype=jnp.int32).sum(2)
-    capacity = SEQ * TOP_K // EXPERTS
     position_BSE = jnp.cumsum(mask_BSE, axis=1) - 1  # <- cumsum
     keep_BSE = (position_BSE < capacity) & (mask_BSE > 0)
     dispatch_BSEC = jax.nn.one_hot(jnp.where(keep_BSE, position_BSE, -1), capacity, dtype=x_BSD.dtype)

@@ -2,11 +2,12 @@
 
     XLA_FLAGS="--xla_dump_to=DIR ..." python tests/analyzer/dump_job.py STEP AXES [TOPOLOGY]
 
-STEP is `steps.make_<name>` (shardlint/examples/steps.py) or `cause_steps.make_<name>`
-(tests/analyzer/cause_steps.py), AXES a mesh such as data=2,context=4. On CPU the job puts random arrays on the
-mesh and runs the step (jitted as the user wrote it, or by `jax.jit`), so the dump holds
-what a real job compiles, its small helper modules (device_put, random) included. With a
-TPU topology (libtpu AOT) it compiles the step, as nothing can run there.
+STEP is `steps.make_<name>` (shardlint/examples/steps.py), `cause_steps.make_<name>`
+(tests/analyzer/cause_steps.py) or `signature_steps.<layer>.<signature>`, AXES a mesh such
+as data=2,context=4. On CPU the job puts random arrays on the mesh and runs the step
+(jitted as the user wrote it, or by `jax.jit`), so the dump holds what a real job compiles,
+its small helper modules (device_put, random) included. With a TPU topology (libtpu AOT)
+it compiles the step, as nothing can run there.
 """
 
 from __future__ import annotations
@@ -31,7 +32,11 @@ def build(step_name: str, axes: dict[str, int], topology: str | None):
         mesh = topology_mesh(axes, topology)
     else:
         mesh = jax.make_mesh(tuple(axes.values()), tuple(axes), axis_types=(AxisType.Auto,) * len(axes))
-    module, function = step_name.split(".")
+    module, function, *signature = step_name.split(".")
+    if module == "signature_steps":   # signature_steps.LAYER.SIGNATURE
+        from tests.analyzer import signature_steps
+
+        return signature_steps.make(function, signature[0], mesh)
     return getattr({"steps": steps, "cause_steps": cause_steps}[module], function)(mesh)
 
 
@@ -43,9 +48,14 @@ def run(step_name: str, axes: dict[str, int], topology: str | None = None) -> No
         return
     # Initialised with jax.random as training code does: small jit modules of its own.
     keys = iter(jax.random.split(jax.random.key(0), len(jax.tree.leaves(args))))
-    arrays = jax.tree.map(
-        lambda a: jax.device_put(jax.random.normal(next(keys), a.shape, a.dtype), a.sharding), args)
+    arrays = jax.tree.map(lambda a: jax.device_put(_random(next(keys), a), a.sharding), args)
     jax.block_until_ready(jitted(*arrays))
+
+
+def _random(key, a):
+    if jax.numpy.issubdtype(a.dtype, jax.numpy.floating):
+        return jax.random.normal(key, a.shape, a.dtype)
+    return jax.random.randint(key, a.shape, 0, 2).astype(a.dtype)   # ids, or a key's data
 
 
 if __name__ == "__main__":

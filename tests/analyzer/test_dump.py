@@ -147,12 +147,44 @@ def test_dump_gives_the_live_findings(pairs, case):
 
 def test_the_cases_cover_what_the_dump_must_carry(pairs):
     """Each case checks something only the dump's extra files tell: what was asked
-    (module.mlir), which arguments are parameters (parameter names), donation (aliases)."""
+    (module.mlir), donation (aliases); and that weights are told from activations."""
     assert pairs["requested kv gather"][1].requested
     assert pairs["fsdp weights"][1].by_cause("weights")
     assert pairs["pre-jitted, donated"][1].memory.alias_bytes > 0
     assert any(c.trips == 4 for c in pairs["scanned layers"][1].collectives)
     assert pairs["moe 2x4"][1].findings and pairs["moe 4x2"][1].findings
+
+
+# The routed layers of signature_steps, each in the signature that looks most like a
+# parameter list (`step(x, *weights)`) and FSDP also with its parameters last.
+SIGNATURE_CASES = {f"{layer} {sig}": (f"signature_steps.{layer}.{sig}", {"data": 2, "context": 4})
+                   for layer, sig in [("scatter_keep_sharded", "x_then_weights"),
+                                      ("capacity_cumsum", "x_then_weights"),
+                                      ("flatten_ragged_dot", "x_then_weights"),
+                                      ("scan_remat", "x_then_weights"),
+                                      ("fsdp_weights", "x_then_weights"),
+                                      ("fsdp_weights", "batch_then_params")]}
+
+
+@pytest.fixture(scope="module")
+def minimal_and_full_dumps(tmp_path_factory):
+    root = tmp_path_factory.mktemp("signature_dumps")
+    return {kind: write_dumps(root / kind, SIGNATURE_CASES, flags)
+            for kind, flags in (("minimal", ""), ("full", FULL_FLAGS))}
+
+
+@pytest.mark.parametrize("case", list(SIGNATURE_CASES))
+def test_a_minimal_dump_tells_weights_from_activations_as_a_full_one(minimal_and_full_dumps, case):
+    """A dump written with `--xla_dump_to` alone (no propagation pass, the HLO as protos
+    and text by default) gives every collective the cause the full dump and the live
+    analysis give: which arguments are weights is read from the partitioned program."""
+    minimal = analyze_dump(str(minimal_and_full_dumps["minimal"][case]))
+    full = analyze_dump(str(minimal_and_full_dumps["full"][case]))
+    live = live_analysis(*SIGNATURE_CASES[case])
+    verdicts = [[(c.kind, c.axes, c.shape, c.cause) for c in a.collectives] for a in (minimal, full, live)]
+    assert verdicts[0] == verdicts[1] == verdicts[2]
+    assert any("no propagation drops" in note for note in minimal.unread)
+    assert minimal.by_cause("lost"), "the gathered activations read as lost"
 
 
 def test_the_step_is_picked_among_the_jobs_helper_modules(dumps):

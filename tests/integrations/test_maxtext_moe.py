@@ -156,3 +156,43 @@ def test_sparse_path_is_returned_unchanged(cache_dir):
     with pytest.warns(shardlint.NothingToRewrite):
         fixed = shardlint.rewrite(fn, mesh_of(args), args=args)
     assert fixed.changed is False
+
+
+@pytest.fixture(scope="module")
+def dense_in_signatures(cache_dir):
+    """MaxText's dense RoutedMoE in the three signatures of tests/analyzer/signature_steps:
+    `step(x, *weights)`, `step(params, opt_state, batch, rng)`, `step(batch, params)`."""
+    from analyzer.signature_steps import SIGNATURES
+
+    layer, params, x = maxtext_moe.make_moe_layer(sparse=False, jax_cache_dir=cache_dir)
+    steps = {sig: wrap(layer, params, x) for sig, wrap in SIGNATURES.items()}
+    return {sig: (step, args, shardlint.analyze(step, *args)) for sig, (step, args) in steps.items()}
+
+
+def test_dense_path_causes_do_not_depend_on_the_signature(dense_in_signatures, dense):
+    """Every collective of MaxText's layer gets the cause it gets in `make_moe_step`'s
+    `step(params, rest, x)`, wherever the parameters sit; its expert weights' gathers over
+    context stay `weights`, its routing gathers `lost`."""
+    key = lambda c: (c.kind, c.axes, c.shape, c.needed_by, str(c.source))  # noqa: E731
+    causes = {}
+    for _, _, analysis in [*dense_in_signatures.values(), dense]:
+        for c in analysis.collectives:
+            causes.setdefault(key(c), set()).add(c.cause)
+    assert {k: v for k, v in causes.items() if len(v) > 1} == {}
+    for sig, (_, _, analysis) in dense_in_signatures.items():
+        assert [c for c in analysis.all_gathers() if c.cause == "weights" and _in_moe(c.source)], sig
+        assert {f.source.line for f in analysis.findings if _in_moe(f.source)} >= {
+            f.source.line for f in dense[2].findings if _in_moe(f.source)}, sig
+
+
+def test_dense_path_is_rewritten_alike_in_every_signature(dense_in_signatures):
+    from shardlint.analyzer._compile import mesh_of
+    from shardlint.rewrites import verify_same
+
+    for sig, (step, args, analysis) in dense_in_signatures.items():
+        fixed = shardlint.rewrite(step, mesh_of(args), args=args, analysis=analysis)
+        assert fixed.changed is True, (sig, fixed.notes)
+        after = shardlint.analyze(fixed, *args)
+        assert not [c for c in after.by_cause("lost") if _in_moe(c.source)], sig
+        assert verify_same(step, fixed, args, rtol=1e-5, atol=1e-5)
+

@@ -140,11 +140,11 @@ def test_scanned_step_keeps_its_scans_and_layer_count(name):
 def test_traces_whose_scan_operands_differ_are_paired_by_use():
     """The per-shard trace gives the scan other operands than the global one (one cached
     table where there are two); the pairing follows the body's uses, not positions."""
-    from shardlint.rewrites._trace import TokenAxes, pair_vars, trace_step
+    from shardlint.rewrites._trace import TokenAxes, Tokens, pair_vars, trace_step
 
     mesh = _mesh(4)
     fn, args = rewrite_steps.make_size_cached_tables_step(mesh)
-    traces = trace_step(fn, args, TokenAxes(("data",), ("context",)), mesh)
+    traces = trace_step(fn, args, Tokens(TokenAxes(("data",), ("context",))), mesh)
     g, l = traces.global_jaxpr.jaxpr, traces.local_jaxpr.jaxpr
     operands = [(e.invars, f.invars) for e, f in zip(g.eqns, l.eqns) if e.primitive.name == "scan"]
     assert [(len(a), len(b)) for a, b in operands] == [(16, 16), (7, 6)]   # forward, backward
