@@ -60,12 +60,13 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("analyze", help="analyze a step: findings, collectives, memory")
     _add_target(p)
-    p.add_argument("--json", metavar="FILE", help="write the analysis (shardlint.analysis/2)")
+    p.add_argument("--json", metavar="FILE", help="write the analysis (shardlint.analysis/3)")
     p.add_argument("--by-scope", action="store_true",
                    help="also print the collectives rolled up by named scope / module path, "
                         "forward and backward apart")
     p.add_argument("--rewrite", action="store_true",
                    help="analyze the step after putting the sharding-preserving MoE in place")
+    _add_sweep(p)
     _add_rewrite_options(p)
     _add_topology(p)
     p = sub.add_parser("report", help="write one self-contained HTML report: findings, "
@@ -76,9 +77,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--no-rewrite", action="store_true",
                    help="report the step as it is, without the rewritten step beside it")
     _add_rewrite_options(p)
-    p.add_argument("--sweep", metavar="AXIS=v1,v2,...",
-                   help="also re-run the step with the mesh's AXIS at each size and chart "
-                        "per-device memory against it, e.g. --sweep context=1,2,4,8")
+    p.add_argument("--json", metavar="FILE",
+                   help="also write the report's data (shardlint.report-data/1): the analyses "
+                        "before and after, and the sweep's memory with the lines that hold it")
+    _add_sweep(p)
     _add_topology(p)
     p = sub.add_parser("demo", help="run the whole story on the built-in example: analyze, "
                                     "rewrite, analyze again, write a report")
@@ -102,6 +104,14 @@ def _parser() -> argparse.ArgumentParser:
                    help="project root that source paths are relative to (default: the git "
                         "top-level of the current folder, else the current folder)")
     return parser
+
+
+def _add_sweep(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--sweep", metavar="KEY=v1,v2,...",
+                   help="re-run the step at each value of KEY, an axis of --mesh or an option of "
+                        "the target (--set keys), and say which lines hold the memory that does "
+                        "not shrink, e.g. --sweep context=1,2,4,8 or --sweep "
+                        "ici_context_parallelism=1,2,4,8")
 
 
 def _add_rewrite_options(p: argparse.ArgumentParser) -> None:

@@ -8,6 +8,7 @@ the partitioned and propagated HLO, builds the graph and explains every collecti
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable
 
 import jax
@@ -15,8 +16,8 @@ import jaxlib
 
 from .. import _jax
 from .._errors import AnalysisError, HloParseError
-from ._buffers import memory_of_buffer_assignment
-from ._causes import explain
+from ._buffers import memory_of_buffer_assignment, parse_buffer_assignment
+from ._causes import explain, with_gathered_tokens
 from ._collectives import collectives_of
 from ._compile import Compiled, compile_step
 from ._dataflow import provenance
@@ -25,7 +26,9 @@ from ._dump import read_dump
 from ._given import mesh_of_module
 from ._graph import build_graph
 from ._hlo import parse_hlo
+from ._live_range import parse_live_range
 from ._model import Analysis, Memory
+from ._peak import peak_buffers
 from ._stablehlo import asked_for
 from ._topology import libtpu_version
 
@@ -85,7 +88,7 @@ def _explain(compiled: Compiled, versions: dict[str, str], progress) -> Analysis
     dumped = compiled.dumped
     partitioned = _parsed(dumped, "partitioned")
     collectives = collectives_of(partitioned, compiled.mesh)
-    flow = provenance(partitioned, compiled.named_params)
+    flow = with_gathered_tokens(provenance(partitioned, compiled.named_params), collectives)
     drops, requested, graph = (), (), None
     if dumped.propagated is not None:
         graph = build_graph(_parsed(dumped, "propagated"), compiled.mesh,
@@ -97,9 +100,16 @@ def _explain(compiled: Compiled, versions: dict[str, str], progress) -> Analysis
     collectives, findings, requested = explain(
         collectives, partitioned, flow, drops, requested, compiled.asked, graph,
         compiled.remats, compiled.mesh.as_dict())
+    memory = compiled.memory
+    if dumped.buffer_assignment is not None and dumped.live_range is not None:
+        where = dumped.files.get("partitioned", dumped.stem)
+        memory = dataclasses.replace(memory, peak_buffers=peak_buffers(
+            parse_buffer_assignment(dumped.buffer_assignment, f"{where}'s buffer assignment"),
+            parse_live_range(dumped.live_range, f"{where}'s live ranges"), partitioned, collectives,
+            memory.temp_bytes))
     return Analysis(
         mesh=compiled.mesh.as_dict(),
-        memory=compiled.memory,
+        memory=memory,
         collectives=collectives,
         findings=findings,
         requested=requested,

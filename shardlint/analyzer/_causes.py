@@ -78,11 +78,6 @@ def explain(collectives: tuple[Collective, ...], module: HloModule, flow: Proven
     stacks = _stack_index(graph) if graph is not None else {}
     asks = _asks(requested, asked, graph, stacks, mesh_axes)
     dropped_by = {cid: f for f in drops for cid in f.collectives}
-    # Arguments XLA's partitioner gathered for an op that orders or counts tokens (its own
-    # label on the collective) carry tokens.
-    for c in collectives:
-        if primitive_of(c.xla_op_path) in TOKEN_OPS:
-            flow = flow.with_tokens(flow.moved_weights(flow.of(c.id)))
     explained, used_asks = [], set()
     for c in collectives:
         instr = by_name.get(c.id)
@@ -99,6 +94,15 @@ def explain(collectives: tuple[Collective, ...], module: HloModule, flow: Proven
     findings.sort(key=lambda f: (f.source.file if f.source else "", f.source.line if f.source else 0,
                                  f.op_path))
     return tuple(explained), tuple(findings), requested
+
+
+def with_gathered_tokens(flow: Provenance, collectives: tuple[Collective, ...]) -> Provenance:
+    """`flow`, with the arguments XLA's partitioner gathered for an op that orders or counts
+    tokens (its own label on the collective) as token inputs."""
+    for c in collectives:
+        if primitive_of(c.xla_op_path) in TOKEN_OPS:
+            flow = flow.with_tokens(flow.moved_weights(flow.of(c.id)))
+    return flow
 
 
 def _cause(c: Collective, weight: bool, own: tuple, dropped_by, asks) -> tuple[str, _Ask | None]:

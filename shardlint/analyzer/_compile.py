@@ -37,7 +37,7 @@ from ._xla_log import Remat, captured_stderr, involuntary_rematerializations
 # Per-compile options override XLA_FLAGS: a module filter set there (MaxText's config sets
 # `--xla_dump_hlo_module_re=jit_train_step`) must not hide this step's module.
 _DUMP_OPTIONS = {"xla_dump_hlo_pass_re": PROPAGATION_PASSES, "xla_dump_hlo_module_re": ".*",
-                 "xla_dump_hlo_as_text": True}
+                 "xla_dump_hlo_as_text": True, "xla_dump_buffer_assignment_analysis": True}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -11,7 +11,9 @@ the same function. Per compiled module XLA writes, under one file-name stem
 - `STEM.NNNN.<pipeline>.after_<pass>.before_<next>.txt`: the module after each pass that
   `--xla_dump_hlo_pass_re` names; the analysis reads the last sharding-propagation pass
   (`shardy-xla` for Shardy, `sharding-propagation` for GSPMD);
-- `STEM.*after_optimizations-buffer-assignment.txt`: the buffer assignment (memory);
+- `STEM.*after_optimizations-buffer-assignment.txt`: the buffer assignment (memory), and
+  with `--xla_dump_buffer_assignment_analysis` `STEM.*after_optimizations-live-range.txt`
+  (the buffers alive at the memory peak);
 - `STEM/module.mlir`: the StableHLO the compiler was given (what the code asked for).
 
 The training step is the largest module (by lines of partitioned HLO). A folder where that
@@ -29,12 +31,14 @@ from .._errors import AnalysisError
 
 # What a real job adds to XLA_FLAGS so that shardlint reads everything it reads live.
 PROPAGATION_PASSES = "shardy-xla|sharding-propagation"
-DUMP_FLAGS = f"--xla_dump_to=DIR --xla_dump_hlo_as_text --xla_dump_hlo_pass_re='{PROPAGATION_PASSES}'"
+DUMP_FLAGS = (f"--xla_dump_to=DIR --xla_dump_hlo_as_text --xla_dump_hlo_pass_re='{PROPAGATION_PASSES}' "
+              "--xla_dump_buffer_assignment_analysis")
 
 _STEM_RE = re.compile(r"^(module_(\d+)\..+)\.before_optimizations\.txt$")
 _PARTITIONED_RE = re.compile(r"^\.(?:(?P<prefix>[\w.\-]+)_)?after_optimizations\.txt$")
 _PROPAGATED_RE = re.compile(r"^\.(\d+)\.[\w\-]+\.after_(shardy-xla|sharding-propagation)\.before_.*\.txt$")
 _BUFFERS_RE = re.compile(r"^\.(?:[\w.\-]+_)?after_optimizations-buffer-assignment\.txt$")
+_LIVE_RANGE_RE = re.compile(r"^\.(?:[\w.\-]+_)?after_optimizations-live-range\.txt$")
 # The largest module must be this much larger than the next to be "the" step.
 _CLEAR_MARGIN = 1.1
 
@@ -53,6 +57,7 @@ class DumpedModule:
     given: str | None = None         # HLO before optimizations: its mesh
     stablehlo: str | None = None     # the StableHLO the compiler was given (module.mlir)
     buffer_assignment: str | None = None
+    live_range: str | None = None    # the live ranges at the peak (buffer-assignment analysis)
     files: dict[str, str] = dataclasses.field(default_factory=dict)  # text -> its file's path
 
     def unread(self) -> tuple[str, ...]:
@@ -70,6 +75,9 @@ class DumpedModule:
                          f"module.mlir or --mesh")
         if self.buffer_assignment is None:
             notes.append("no buffer-assignment dump: memory unknown")
+        elif self.live_range is None:
+            notes.append("no live-range dump (add --xla_dump_buffer_assignment_analysis): the "
+                         "buffers at the memory peak are not listed")
         elif self.platform == "tpu":
             notes.append("TPU runtime buffers outside the buffer assignment (XLA's 1 MiB HBM "
                          "logging buffer, ...): temp reads lower than memory_analysis() live")
@@ -90,8 +98,8 @@ class _Candidate:
 
 def read_dump(folder: str, module: str | None = None, *, compiled_only: bool = False) -> DumpedModule:
     """The training step's module in `folder` (or the one `module` names: its HLO name,
-    its stem, or its number such as `module_0012`). `compiled_only` reads the propagated
-    and partitioned HLO alone: a live compile knows the rest from the traced program."""
+    its stem, or its number such as `module_0012`). `compiled_only` leaves out the given
+    HLO and the StableHLO: a live compile knows them from the traced program."""
     chosen = _choose(_candidates(folder), folder, module)
     files = set(os.listdir(folder))
 
@@ -101,6 +109,7 @@ def read_dump(folder: str, module: str | None = None, *, compiled_only: bool = F
     rest = sorted(f[len(chosen.stem):] for f in files if f.startswith(chosen.stem + "."))
     propagated = [r for r in rest if _PROPAGATED_RE.match(r)]
     buffers = [r for r in rest if _BUFFERS_RE.match(r)]
+    live = [r for r in rest if _LIVE_RANGE_RE.match(r)]
     partitioned = text(chosen.partitioned_file)
     mlir = os.path.join(folder, chosen.stem, "module.mlir")
     names = {"partitioned": chosen.partitioned_file,
@@ -116,7 +125,8 @@ def read_dump(folder: str, module: str | None = None, *, compiled_only: bool = F
         propagation_pass=_PROPAGATED_RE.match(propagated[-1]).group(2) if propagated else None,
         given=None if compiled_only else text(names["given"]),
         stablehlo=_read(mlir) if os.path.isfile(mlir) and not compiled_only else None,
-        buffer_assignment=text(chosen.stem + buffers[0]) if buffers and not compiled_only else None,
+        buffer_assignment=text(chosen.stem + buffers[0]) if buffers else None,
+        live_range=text(chosen.stem + live[0]) if live else None,
         files={k: os.path.join(folder, v) for k, v in names.items() if v},
     )
 

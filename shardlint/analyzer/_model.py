@@ -1,6 +1,6 @@
 """What an analysis produces: frozen records that every consumer reads as they are.
 
-The terminal summary, the JSON document (`shardlint.analysis/2`), the HTML report and
+The terminal summary, the JSON document (`shardlint.analysis/3`), the HTML report and
 the CI gate all read these records; nothing downstream re-parses compiler text.
 `Analysis.to_json()` and `Analysis.from_json()` are exact inverses so that a saved
 analysis can be reported or gated later.
@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-SCHEMA = "shardlint.analysis/2"
+SCHEMA = "shardlint.analysis/3"
 
 # Why a collective is in the partitioned program.
 LOST = "lost"            # an activation gathered / all-to-all'd over an axis that sharded it, unasked
@@ -125,6 +125,28 @@ class Requested:
     asked: tuple[tuple[str, ...], ...] = ()   # the asked sharding: mesh axes per dimension
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PeakBuffer:
+    """One buffer of the step at XLA's memory peak (per device), from its buffer assignment
+    and live ranges. A temp buffer accounts for the bytes it holds at the peak, and for the
+    bytes of its slot that are free at the peak (`alive` False: XLA's packing keeps that
+    slot for it at another time); each byte of the temp allocation counts once."""
+
+    value: str                   # the HLO value: its instruction's name ({i}: a tuple element)
+    role: str                    # temp, argument, output or constant
+    bytes: int                   # bytes it accounts for at the peak
+    size: int                    # the buffer's own size
+    alive: bool                  # alive at the peak
+    shape: str                   # per-device, e.g. "f32[512,64]"
+    op: str                      # the JAX primitive that made it (an argument: "parameter")
+    op_path: str                 # JAX's op path; for an argument, its name (`params['w_in']`)
+    source: Source | None
+    stack: tuple[Source, ...] = ()
+    backward: bool = False       # made by the backward pass (a transpose)
+    collective: str = ""         # the collective whose result it holds or is computed from
+    cause: str = ""              # that collective's cause
+
+
 @dataclasses.dataclass(frozen=True)
 class Memory:
     argument_bytes: int
@@ -135,6 +157,12 @@ class Memory:
                                  # covers temp (XLA:CPU): there arguments + outputs + temp is it
     flops: float | None          # XLA's cost analysis, per device (XLA:CPU counts ragged_dot as
                                  # a dense dot over every expert)
+    peak_buffers: tuple[PeakBuffer, ...] = ()   # largest first; () where XLA wrote no live ranges
+
+    def temp_accounted(self) -> int:
+        """Bytes of temp that the buffers of `peak_buffers` hold (not the padding and the
+        runtime's own, which are listed as such)."""
+        return sum(b.bytes for b in self.peak_buffers if b.role == "temp" and b.value)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,7 +207,9 @@ class Analysis:
 
         return cls(
             mesh=dict(doc["mesh"]),
-            memory=Memory(**doc["memory"]),
+            memory=Memory(**{**doc["memory"], "peak_buffers": tuple(
+                PeakBuffer(**{**b, "source": src(b["source"]), "stack": stack(b.get("stack"))})
+                for b in doc["memory"].get("peak_buffers", ()))}),
             collectives=tuple(
                 Collective(**{**c, "axes": tuple(c["axes"]), "source": src(c["source"]),
                               "xla_source": src(c.get("xla_source")), "stack": stack(c.get("stack"))})

@@ -1,7 +1,7 @@
 """The commands layer: what `shardlint analyze/report/check/demo` do, above the library.
 
 Loading a target (`file.py:function`) and its mesh, simulating devices, the analyses before
-and after the rewrite, the sweep over one mesh axis, the demo and the gate's command live
+and after the rewrite, the sweep over one mesh axis or target option, the demo and the gate's command live
 here; `shardlint.cli` only parses arguments and calls them, and the library packages
 (analyzer, rewrites, reports, gate) never see an argparse Namespace.
 """
@@ -10,5 +10,4 @@ from ._check import run_check as run_check
 from ._demo import run_demo as run_demo
 from ._sweep import analyze_pair as analyze_pair
 from ._sweep import parse_sweep_spec as parse_sweep_spec
-from ._sweep import prepare_devices as prepare_devices
 from ._sweep import run_sweep as run_sweep

@@ -19,18 +19,19 @@ SWEEP = "context=1,2,4"
 def run_demo(out_dir: str, progress: Callable[[str], None]) -> str:
     """Runs the demo into `out_dir`; returns the summary text."""
     from ..reports import write_html, write_json
-    from ._sweep import analyze_pair, prepare_devices, run_sweep
+    from ._sweep import analyze_pair, mesh_points, parse_sweep_spec, run_sweep, start_devices
     from ._targets import build_mesh, check_mesh, make_step, parse_mesh_spec
     from .._format import human_bytes
 
-    sweep = prepare_devices(MESH, SWEEP)
-    axes = parse_mesh_spec(MESH)
+    axes, sweep = parse_mesh_spec(MESH), parse_sweep_spec(SWEEP)
+    start_devices(axes, sweep)
     mesh = build_mesh(axes)
     progress(f"tracing {TARGET} on mesh {MESH}")
     fn, args = make_step(TARGET, mesh)
     check_mesh(args, mesh)
     before, after = analyze_pair(fn, args, mesh, rewrite=True, verify=True, progress=progress)
-    points = run_sweep(TARGET, axes, sweep, progress=progress, known={axes["context"]: (before, after)})
+    points = run_sweep(*sweep, mesh_points(TARGET, axes, sweep[0]), progress=progress,
+                       known={axes["context"]: (before, after)})
     os.makedirs(out_dir, exist_ok=True)
     report = os.path.join(out_dir, "report.html")
     write_html(before, after, path=report, sweep=points, title=f"{TARGET} (shardlint demo)")

@@ -82,3 +82,40 @@ def load(args):
     fn, step_args = make_step(args.target, mesh, options)
     check_mesh(step_args, mesh)
     return mesh, fn, step_args
+
+
+def load_sweep(args):
+    """`(key, values, build_point)` of `--sweep KEY=v1,v2,...` (None without one): over an
+    axis of `--mesh` (the largest point's devices simulated now, before JAX starts), or over
+    one of the target's options (each point the target called with `KEY=value` beside the
+    `--set` options, on the devices `--devices`, `--mesh` or `--topology` give every point)."""
+    import argparse
+
+    from ._sweep import mesh_points, parse_sweep_spec, start_devices
+    from ._targets import build_topology_mesh, parse_mesh_spec, parse_options, target_options
+
+    if not args.sweep:
+        return None
+    key, values = parse_sweep_spec(args.sweep)
+    options = parse_options(args.options)
+    axes = parse_mesh_spec(args.mesh) if args.mesh else {}
+    if key in axes:
+        topology = getattr(args, "topology", None)
+        if not topology:
+            start_devices(axes, (key, values))
+        build = (lambda point: build_topology_mesh(point, topology)) if topology else None
+        return key, values, mesh_points(args.target, axes, key, options=options, build_mesh=build)
+    if key in options:
+        raise UsageError(f"--sweep {key}=... and --set {key}=...: give its values in --sweep only")
+    takes = target_options(args.target)
+    if takes is not None and key not in takes:
+        raise UsageError(f"--sweep {key}: neither an axis of --mesh ({', '.join(axes) or 'none given'}) "
+                         f"nor an option of target {args.target!r} (it takes "
+                         f"{', '.join(takes) if takes else 'none'})")
+
+    def build_point(value: int):
+        point = argparse.Namespace(**vars(args))
+        point.options = [*(args.options or []), f"{key}={value}"]
+        return load(point)
+
+    return key, values, build_point

@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 
 from .._errors import UsageError
-from ._load import analyze_dump_of, load, progress, reads_dump
+from ._load import analyze_dump_of, load, load_sweep, progress, reads_dump
 
 
 def _writable_file(path: str, what: str) -> None:
@@ -39,6 +39,8 @@ def analyze_command(args) -> int:
     from_dump = reads_dump(args)
     if args.json:
         _writable_file(args.json, "the analysis")
+    if args.sweep:
+        return _analyze_sweep(args)
     if from_dump:
         analysis, title = analyze_dump_of(args), ""
     else:
@@ -61,9 +63,24 @@ def analyze_command(args) -> int:
     return 1 if analysis.findings or (fit and not fit.fits) else 0
 
 
+def _analyze_sweep(args) -> int:
+    """`analyze --sweep`: the step (with --rewrite, also the rewritten one) at each point,
+    its memory against the ideal, and the lines that hold what does not shrink."""
+    from ..reports import format_sweep, write_report_data
+
+    points = _sweep(args, load_sweep(args), bool(args.rewrite))
+    print(format_sweep(points, title=args.target))
+    if args.json:
+        last = points["points"][-1]
+        write_report_data(args.json, last["before"], last["after"], points)
+        progress(f"wrote {args.json}")
+    last = points["points"][-1]
+    return 1 if (last["after"] or last["before"]).findings else 0
+
+
 def _rewrite_options(args, mesh) -> dict:
     """The rewrite's `batch_axes=`/`seq_axes=`/`capacity=`/`params_argnums=` from the
-    command line."""
+    command line; the axes checked against `mesh` where there is one."""
     options = {"capacity": "per-shard"} if args.per_shard_capacity else {}
     if args.params_argnums is not None:
         options["params_argnums"] = args.params_argnums
@@ -71,9 +88,9 @@ def _rewrite_options(args, mesh) -> dict:
         raise UsageError("--batch-axes needs --seq-axes too: the rewrite runs per shard over both")
     if not args.seq_axes:
         return options
-    mesh_axes = set(mesh.axis_names)
+    mesh_axes = set(mesh.axis_names) if mesh is not None else None
     names = (args.batch_axes or ()) + args.seq_axes
-    if not set(names) <= mesh_axes:
+    if mesh_axes is not None and not set(names) <= mesh_axes:
         raise UsageError(f"--batch-axes/--seq-axes name {sorted(set(names) - mesh_axes)}, not "
                          f"axes of the mesh ({', '.join(sorted(mesh_axes))})")
     return {**options, "batch_axes": args.batch_axes or (), "seq_axes": args.seq_axes}
@@ -96,50 +113,64 @@ def _can_run(args, rewriting: bool) -> bool:
 
 
 def report_command(args) -> int:
-    from ._sweep import analyze_pair, prepare_devices, run_sweep
-    from ._targets import parse_options
-    from ..reports import write_html
+    from ._sweep import analyze_pair
+    from ..reports import write_html, write_report_data
 
     if reads_dump(args):
         _writable_file(args.out, "the report")
+        if args.json:
+            _writable_file(args.json, "the report's data")
         before = analyze_dump_of(args)
         write_html(before, None, path=args.out, title=args.xla_dump,
                    rewrite_note="read from an XLA dump: the rewrite needs the step's Python")
+        if args.json:
+            write_report_data(args.json, before, None)
         progress(f"wrote {args.out}")
         return 1 if before.findings or not _report_fit(args, before, None) else 0
-    if args.sweep and args.mesh is None:
-        raise UsageError("--sweep needs --mesh: it re-runs the step with one mesh axis resized")
     _writable_file(args.out, "the report")
-    sweep = prepare_devices(args.mesh, args.sweep)  # before load: the sweep may need more devices
-    mesh, fn, step_args = load(args)
+    if args.json:
+        _writable_file(args.json, "the report's data")
+    plan = load_sweep(args)   # before load: a sweep over a mesh axis may need more devices
     rewrite = not args.no_rewrite
     notes: list[str] = []
-    before, after = analyze_pair(fn, step_args, mesh, rewrite=rewrite, verify=_can_verify(args, rewrite),
-                                 progress=progress, on_rewrite_note=notes.append,
-                                 **_rewrite_options(args, mesh))
+    points = None
+    if plan is None or not _over_options(args, plan[0]):
+        mesh, fn, step_args = load(args)
+        before, after = analyze_pair(fn, step_args, mesh, rewrite=rewrite, verify=_can_verify(args, rewrite),
+                                     progress=progress, on_rewrite_note=notes.append,
+                                     **_rewrite_options(args, mesh))
+        if plan is not None:
+            key, values, build = plan
+            current = dict(zip(mesh.axis_names, mesh.devices.shape))[key]
+            points = _sweep(args, plan, rewrite, known={current: (before, after)})
+    else:   # the target's option swept: the report's step is the last point's
+        points = _sweep(args, plan, rewrite)
+        before, after = points["points"][-1]["before"], points["points"][-1]["after"]
     for note in notes:
         progress(note)
-    points = None
-    if sweep:
-        axes = dict(zip(mesh.axis_names, mesh.devices.shape))
-        points = run_sweep(args.target, axes, sweep, rewrite=rewrite, progress=progress,
-                           options=parse_options(args.options),
-                           known={axes[sweep[0]]: (before, after)},
-                           build_mesh=_topology_meshes(args))
     write_html(before, after, path=args.out, sweep=points, title=args.target,
                rewrite_note=notes[0] if notes else "")
     progress(f"wrote {args.out}")
+    if args.json:
+        write_report_data(args.json, before, after, points)
+        progress(f"wrote {args.json}")
     fits = _report_fit(args, before, after)
     return 1 if (after or before).findings or not fits else 0
 
 
-def _topology_meshes(args):
-    """With --topology, sweep points are meshes over the same TPU topology."""
-    if not args.topology:
-        return None
-    from ._targets import build_topology_mesh
+def _over_options(args, key: str) -> bool:
+    from ._targets import parse_mesh_spec
 
-    return lambda axes: build_topology_mesh(axes, args.topology)
+    return not (args.mesh and key in parse_mesh_spec(args.mesh))
+
+
+def _sweep(args, plan, rewrite: bool, known=None) -> dict:
+    """The sweep's points; each point's headline on stderr as it comes."""
+    from ._sweep import run_sweep
+
+    key, values, build = plan
+    return run_sweep(key, values, build, rewrite=rewrite, progress=progress, known=known,
+                     rewrite_options=_rewrite_options(args, None))
 
 
 def _report_fit(args, before, after) -> bool:

@@ -1,8 +1,9 @@
-"""The runs behind a report: before and after the rewrite, and the sweep over one mesh axis.
+"""The runs behind a report: before and after the rewrite, and a sweep over one knob.
 
-A sweep re-runs the target with one mesh axis set to each value, so the device count
-changes from point to point. JAX fixes its device count when the backend starts, so
-`prepare_devices` asks for the largest mesh the sweep needs and starts the backend at
+A sweep re-runs the target at each value of one mesh axis or one of its options (`--set`
+keys, such as MaxText's `ici_context_parallelism`). Over a mesh axis the device count
+changes from point to point; JAX fixes its device count when the backend starts, so
+`start_devices` asks for the largest mesh the sweep needs and starts the backend at
 once; a later, smaller request (the CLI's own set-up) then finds enough devices. The
 result is the structure `shardlint.reports` draws (`reports._sweep`).
 """
@@ -48,23 +49,14 @@ def device_count(mesh: dict[str, int], sweep: tuple[str, tuple[int, ...]] | None
     return max(math.prod(m.values()) for m in meshes)
 
 
-def prepare_devices(mesh_spec: str, sweep_spec: str | None) -> tuple[str, tuple[int, ...]] | None:
-    """Parses --mesh/--sweep and, for a sweep, simulates its largest mesh and starts JAX.
+def start_devices(mesh: dict[str, int], sweep: tuple[str, tuple[int, ...]]) -> None:
+    """Simulates the largest mesh the sweep needs and starts JAX's backend at that size."""
+    from ._targets import simulate_devices
 
-    Without a sweep nothing happens here: the CLI's usual set-up sizes the backend.
-    Returns the parsed sweep (axis, values) or None.
-    """
-    from ._targets import parse_mesh_spec, simulate_devices
-
-    if not sweep_spec:
-        return None
-    mesh = parse_mesh_spec(mesh_spec)
-    sweep = parse_sweep_spec(sweep_spec)
     simulate_devices(device_count(mesh, sweep))
     import jax
 
-    jax.devices()  # start the backend now, at the sweep's size
-    return sweep
+    jax.devices()
 
 
 def analyze_pair(fn: Callable, args: tuple, mesh, *, rewrite: bool = True, verify: bool = True,
@@ -106,40 +98,47 @@ def analyze_pair(fn: Callable, args: tuple, mesh, *, rewrite: bool = True, verif
     return before, analyze(fixed, *args, params_argnums=params_argnums, progress=progress)
 
 
-def run_sweep(target: str, mesh: dict[str, int], sweep: tuple[str, tuple[int, ...]], *,
+def run_sweep(key: str, values: tuple[int, ...], build_point: Callable[[int], tuple], *,
               rewrite: bool = True, progress: Progress | None = None,
               known: dict[int, tuple[Analysis, Analysis | None]] | None = None,
-              build_mesh: Callable[[dict[str, int]], Any] | None = None,
-              options: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Re-runs TARGET at each sweep value; `known` holds points already analyzed (by value).
-
-    `build_mesh(axes)` makes each point's mesh (default: simulated CPU devices; the CLI
-    passes TPU topology meshes for `--topology`); `options` are the target's `--set`
-    keyword arguments.
-    """
-    from ._targets import build_mesh as cpu_mesh
-    from ._targets import check_mesh, make_step
-
-    build_mesh = build_mesh or cpu_mesh
-
-    axis, values = sweep
+              rewrite_options: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Analyzes the step at each value of `key` (and with `rewrite`, the rewritten step);
+    `build_point(value)` returns that point's `(mesh, step, args)`, `known` holds points
+    already analyzed (by value). Returns `{"axis": key, "points": [...]}` (`reports._sweep`)."""
     known = known or {}
     points = []
-    for value, axes in zip(values, sweep_meshes(mesh, axis, values)):
+    for value in values:
         if value in known:
             before, after = known[value]
         else:
             if progress:
-                progress(f"sweep {axis}={value}: mesh {axes}")
+                progress(f"sweep {key}={value}")
             try:
-                sweep_mesh = build_mesh(axes)
-                fn, args = make_step(target, sweep_mesh, options)
-                check_mesh(args, sweep_mesh)
+                mesh, fn, args = build_point(value)
                 with warnings.catch_warnings():   # a point may have nothing to rewrite (context 1)
                     warnings.simplefilter("ignore", NothingToRewrite)
-                    before, after = analyze_pair(fn, args, sweep_mesh, rewrite=rewrite, verify=False,
-                                                 progress=progress)
+                    before, after = analyze_pair(fn, args, mesh, rewrite=rewrite, verify=False,
+                                                 progress=progress, **(rewrite_options or {}))
             except ShardlintError as e:
-                raise type(e)(f"--sweep {axis}={value}: {e}") from e
+                raise type(e)(f"--sweep {key}={value}: {e}") from e
         points.append({"value": value, "before": before, "after": after})
-    return {"axis": axis, "points": points}
+    return {"axis": key, "points": points}
+
+
+def mesh_points(target: str, mesh: dict[str, int], axis: str, *, options: dict[str, Any] | None = None,
+                build_mesh: Callable[[dict[str, int]], Any] | None = None) -> Callable[[int], tuple]:
+    """The points of a sweep over one axis of `mesh` (default: simulated CPU devices; the CLI
+    passes TPU topology meshes for `--topology`), the target called with each point's mesh."""
+    from ._targets import build_mesh as cpu_mesh
+    from ._targets import check_mesh, make_step
+
+    sweep_meshes(mesh, axis, ())   # the axis must be the mesh's
+    build_mesh = build_mesh or cpu_mesh
+
+    def build(value: int):
+        point_mesh = build_mesh({**mesh, axis: value})
+        fn, args = make_step(target, point_mesh, options)
+        check_mesh(args, point_mesh)
+        return point_mesh, fn, args
+
+    return build

@@ -159,17 +159,27 @@ def make_step(target: str, mesh, options: dict[str, Any] | None = None, *,
     return fn, tuple(args)
 
 
+def target_options(target: str) -> list[str] | None:
+    """The keyword arguments the target takes after the mesh (None: any, or unknown)."""
+    return _options_of(load_target(target))
+
+
+def _options_of(factory: Callable) -> list[str] | None:
+    try:
+        params = inspect.signature(factory).parameters
+    except (TypeError, ValueError):
+        return None  # a builtin or C callable: let the call say
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return None
+    return [name for i, (name, p) in enumerate(params.items()) if i > 0 and p.kind in
+            (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)]
+
+
 def _check_accepts(factory: Callable, target: str, kwargs: dict[str, Any]) -> None:
     """Every option must be a keyword the target takes: one line naming those it does."""
-    try:
-        signature = inspect.signature(factory)
-    except (TypeError, ValueError):
-        return  # a builtin or C callable: let the call say
-    params = signature.parameters
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+    takes = _options_of(factory)
+    if takes is None:
         return
-    takes = [name for i, (name, p) in enumerate(params.items()) if i > 0 and p.kind in
-             (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)]
     for key in kwargs:
         if key in takes:
             continue

@@ -31,9 +31,11 @@ from .._format import human_bytes, source_text
 from ..analyzer import Analysis, Collective, Finding, Source, scope_tree
 from ..analyzer._op_paths import normalize_op_path
 from ..gate._keys import collective_key
-from ._svg import ideal_line, memory_chart_svg, neighbourhood_svg
+from ._svg import memory_chart_svg, neighbourhood_svg
+from ..analyzer._peak import peak_lines
+from ._data import sweep_scalings
 from ._sweep import check_sweep, sweep_summary
-from ._frames import helper_frames, shown_frames
+from ..analyzer._frames import helper_frames, shown_frames
 
 REPORT_SCHEMA = "shardlint.report/1"
 _TEMPLATES = Path(__file__).with_name("templates")
@@ -251,19 +253,35 @@ def finding_view(f: Finding, index: int, analysis: Analysis, root: str) -> dict[
 # ---------------------------------------------------------------------------- sweep
 
 def sweep_view(sweep: dict[str, Any]) -> dict[str, Any]:
+    """The sweep section: each point's temp against its ideal (the first point's scaled as
+    the activations per device, `analyzer._scaling`), and the lines that hold the rest."""
     points = sweep["points"]
+    scaling_before, scaling_after = sweep_scalings(sweep)
     series = {"before": [(p["value"], p["before"].memory.temp_bytes) for p in points]}
+    ideals = {"before": list(zip(scaling_before.values, scaling_before.ideal))}
     if any(p["after"] is not None for p in points):
         series["after"] = [(p["value"], p["after"].memory.temp_bytes if p["after"] else None)
                            for p in points]
-    ideal = {name: dict(ideal_line(pts)) for name, pts in series.items()}
+        if scaling_after is not None:
+            ideals["after"] = list(zip(scaling_after.values, scaling_after.ideal))
+    ideal = {name: dict(pts) for name, pts in ideals.items()}
     rows = [{"value": p["value"], "mesh": p["before"].mesh, "before": p["before"], "after": p["after"],
              "ideal_before": ideal["before"].get(p["value"]),
              "ideal_after": ideal.get("after", {}).get(p["value"])} for p in points]
     has_peak = any(a is not None and a.memory.peak_bytes is not None
                    for p in points for a in (p["before"], p["after"]))
-    return {"axis": sweep["axis"], "chart": memory_chart_svg(sweep["axis"], series), "rows": rows,
-            "has_after": "after" in series, "has_peak": has_peak}
+    return {"axis": sweep["axis"], "chart": memory_chart_svg(sweep["axis"], series, ideals=ideals),
+            "rows": rows, "has_after": "after" in series, "has_peak": has_peak,
+            "scalings": [(label, s, s.lines[:max(s.listed, 3)]) for label, s in
+                         (("before the rewrite", scaling_before), ("after the rewrite", scaling_after))
+                         if s is not None]}
+
+
+def peak_view(analysis: Analysis | None, most: int = 12) -> list[Any]:
+    """The temp at the peak by the lines that made it, largest first."""
+    if analysis is None:
+        return []
+    return list(peak_lines(analysis.memory.peak_buffers, helpers=helper_frames(analysis))[:most])
 
 
 # ------------------------------------------------------------------------------ page
@@ -281,6 +299,7 @@ def render_html(before: Analysis, after: Analysis | None = None, *, sweep: dict[
         title=title, before=before, after=after, headline=headline(before, after), rewrite_note=rewrite_note,
         scopes=scope_tree(before), after_scopes=scope_tree(after) if after else None,
         verdict=verdict(before, after), memory=memory_rows(before, after),
+        peaks=[(label, a, peak_view(a)) for label, a in (("before", before), ("after", after)) if a is not None],
         findings=[finding_view(f, i, before, root) for i, f in enumerate(before.findings, 1)],
         after_findings=[finding_view(f, i, after, root) for i, f in enumerate(after.findings, 1)]
         if after else [],

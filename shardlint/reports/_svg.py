@@ -177,20 +177,22 @@ def _same_line(a: list[tuple[int, float]], b: list[tuple[int, float]]) -> bool:
 
 
 def memory_chart_svg(axis: str, series: dict[str, list[tuple[int, int | None]]],
-                     metric: str = "temp memory per device") -> Markup:
-    """A line chart of per-device bytes against the swept axis, with ideal 1/N lines.
+                     metric: str = "temp memory per device",
+                     ideals: dict[str, list[tuple[int, float]]] | None = None) -> Markup:
+    """A line chart of per-device bytes against the swept axis, with dashed ideal lines.
 
     `series` maps "before" (and "after") to [(axis value, bytes or None)]. Each series gets
-    a dashed ideal line from its own first point, so a fix that already saves memory at
-    the smallest size is judged on how it scales, not on where it starts. The x axis is
-    logarithmic when the values span a factor of four or more (1, 2, 4, 8 spaced evenly).
+    a dashed ideal line from its own first point (`ideals`, else 1/N), so a fix that
+    already saves memory at the smallest size is judged on how it scales, not on where it
+    starts. The x axis is logarithmic when the values span a factor of four or more (1, 2,
+    4, 8 spaced evenly).
     """
     values = sorted({v for pts in series.values() for v, _ in pts})
     if not values:
         return Markup("")
     names = [n for n in ("before", "after") if n in series]
     lines = {n: [(v, b) for v, b in sorted(series[n]) if b is not None] for n in names}
-    ideals = {n: ideal_line(series[n]) for n in names}
+    ideals = {n: (ideals or {}).get(n) or ideal_line(series[n]) for n in names}
     top = _nice_ceiling(max((b for pts in (*lines.values(), *ideals.values()) for _, b in pts),
                             default=1) * 1.08)
     log_x = values[0] > 0 and values[-1] / values[0] >= 4

@@ -7,7 +7,8 @@ import json
 from .._format import clip, human_bytes
 from ..analyzer import Analysis, scope_tree
 from ..analyzer._model import DROPPED, REMATERIALIZED, RESHARDED, UNSPLIT
-from ._frames import frames_text, helper_frames
+from ..analyzer._peak import peak_lines
+from ..analyzer._frames import frames_text, helper_frames
 
 
 def format_text(analysis: Analysis, title: str = "", fit=None) -> str:
@@ -63,9 +64,33 @@ def format_text(analysis: Analysis, title: str = "", fit=None) -> str:
                  f"temp {human_bytes(m.temp_bytes)}"
                  + (f", peak {human_bytes(m.peak_bytes)}" if m.peak_bytes else "")
                  + (f"; {m.flops:.3g} FLOPs" if m.flops else ""))
+    lines += peak_text(m, helpers)
     if fit is not None:
         lines.append(fit.line())
     return "\n".join(lines)
+
+
+def peak_text(memory, helpers=(), most: int = 6) -> list[str]:
+    """The temp at XLA's memory peak by the lines that made it, largest first."""
+    lines = peak_lines(memory.peak_buffers, helpers=helpers)
+    if not lines or not memory.temp_bytes:
+        return []
+    share = memory.temp_accounted() / memory.temp_bytes
+    out = [f"  temp at the peak, by the line that made it ({share:.0%} of temp accounted for):"]
+    for line in lines[:most]:
+        where = " via ".join(str(f) for f in (line.source, line.via) if f)
+        if not where:   # padding, the runtime's own, an argument: what it is instead
+            out.append(f"    {human_bytes(line.bytes):>11}  {line.op}: {line.where[0]}")
+            continue
+        behind = f"  <- {line.collective} ({line.cause})" if line.collective else ""
+        count = f" x{line.buffers}" if line.buffers > 1 else ""
+        free = f", {human_bytes(line.free)} of it free at the peak" if line.free else ""
+        out.append(f"    {human_bytes(line.bytes):>11}  {line.op}{count} {line.shape} at {where}"
+                   f"{' (backward)' if line.backward else ''}{behind}{free}")
+    rest = lines[most:]
+    if rest:
+        out.append(f"    {human_bytes(sum(line.bytes for line in rest)):>11}  in {len(rest)} more line(s)")
+    return out
 
 
 def mesh_text(mesh: dict[str, int]) -> str:
@@ -127,3 +152,48 @@ def write_json(analysis: Analysis, path: str) -> None:
     with open(path, "w") as fh:
         json.dump(analysis.to_json(), fh, indent=2)
         fh.write("\n")
+
+
+def format_sweep(sweep: dict, title: str = "") -> str:
+    """`analyze --sweep`: temp per point against its ideal, before (and after) the rewrite,
+    then the lines that hold what does not shrink."""
+    from ._data import sweep_scalings
+    from ._sweep import check_sweep
+
+    sweep = check_sweep(sweep)
+    before, after = sweep_scalings(sweep)
+    first = sweep["points"][0]["before"]
+    lines = [f"shardlint: {title + ' ' if title else ''}swept over {sweep['axis']}="
+             f"{','.join(str(v) for v in before.values)} ({_compiler(first)}, {first.partitioner})", ""]
+    rows = [(sweep["axis"], "mesh", "temp", "ideal", "findings", "all-gathers")
+            + (("temp rewritten", "findings") if after else ())]
+    for i, point in enumerate(sweep["points"]):
+        b = point["before"]
+        row = (str(point["value"]), mesh_text(b.mesh), human_bytes(b.memory.temp_bytes),
+               human_bytes(before.ideal[i]), str(len(b.findings)), str(len(b.all_gathers())))
+        if after:
+            row += (human_bytes(point["after"].memory.temp_bytes), str(len(point["after"].findings)))
+        rows.append(row)
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines += ["  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
+    for label, scaling in (("", before), ("rewritten: ", after)):
+        if scaling is None:
+            continue
+        lines += ["", label + scaling.headline()]
+        if scaling.above_ideal_explained is not None:
+            held = sum(line.excess for line in scaling.lines[:scaling.listed])
+            offset = (f"; lines under their ideal offset {human_bytes(scaling.offset)}"
+                      if scaling.above_ideal_explained > 1 else "")
+            lines.append(f"  the {scaling.listed} line(s) first below hold {human_bytes(held)} above their "
+                         f"ideal, {scaling.above_ideal_explained:.0%} of the temp above the ideal{offset}")
+        shown = scaling.lines[:max(scaling.listed, 3)] if label == "" else scaling.lines[:scaling.listed]
+        if shown:
+            head = f"bytes at {sweep['axis']}=" + "/".join(str(v) for v in scaling.values)
+            table = [("excess", "scaling", head, "op", "line")]
+            table += [(("+" if line.excess > 0 else "") + human_bytes(line.excess), line.scaling,
+                       " / ".join(human_bytes(b) for b in line.bytes), line.op,
+                       " via ".join(str(f) for f in (line.source, line.via) if f) or line.role)
+                      for line in shown]
+            widths = [max(len(r[i]) for r in table) for i in range(len(table[0]))]
+            lines += ["  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in table]
+    return "\n".join(lines)

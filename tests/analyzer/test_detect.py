@@ -103,7 +103,7 @@ def test_split_heads_and_requested_kv_gather_are_not_findings(context):
 def test_json_document_follows_the_schema():
     analysis = _analysis("make_step", 4)
     doc = json.loads(json.dumps(analysis.to_json()))
-    assert doc["schema"] == "shardlint.analysis/2"
+    assert doc["schema"] == "shardlint.analysis/3"
     assert doc["mesh"] == {"data": 2, "context": 4}
     assert {"argument_bytes", "output_bytes", "temp_bytes", "peak_bytes"} <= set(doc["memory"])
     for c in doc["collectives"]:

@@ -130,8 +130,10 @@ def test_dump_gives_the_live_collectives_causes_and_memory(pairs, case):
     assert dumped.mesh == live.mesh
     assert [comparable(c) for c in dumped.collectives] == [comparable(c) for c in live.collectives]
     assert [comparable(r) for r in dumped.requested] == [comparable(r) for r in live.requested]
-    # XLA:CPU's memory_analysis() is the buffer assignment's sums, to the byte.
-    assert dataclasses.replace(dumped.memory, flops=live.memory.flops) == live.memory
+    # XLA:CPU's memory_analysis() is the buffer assignment's sums, to the byte (the buffers
+    # at the peak carry the job's stacks: tests/analyzer/test_peak.py compares them).
+    assert dataclasses.replace(dumped.memory, flops=live.memory.flops, peak_buffers=()) == \
+        dataclasses.replace(live.memory, peak_buffers=())
     assert dumped.platform == "cpu" and dumped.partitioner == live.partitioner
     assert dumped.dump and dumped.unread == ()
 

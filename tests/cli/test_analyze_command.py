@@ -19,7 +19,7 @@ def test_findings_exit_1_and_json_matches_stdout(capsys, tmp_path):
     captured = capsys.readouterr()
     assert code == 1
     doc = json.loads(out.read_text())
-    assert doc["schema"] == "shardlint.analysis/2" and doc["mesh"] == {"data": 2, "context": 4}
+    assert doc["schema"] == "shardlint.analysis/3" and doc["mesh"] == {"data": 2, "context": 4}
     text = captured.out
     # Findings first, then collectives, then memory.
     assert text.index("finding(s)") < text.index("collective(s)") < text.index("memory per device")

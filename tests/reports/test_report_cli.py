@@ -55,7 +55,8 @@ def test_report_without_rewrite_is_a_single_analysis(parse, tmp_path):
 
 @pytest.mark.parametrize("argv,message", [
     (["--sweep", "context=a"], "cannot read 'context=a'"),
-    (["--sweep", "expert=1,2"], "axis 'expert' is not in --mesh"),
+    (["--sweep", "expert=1,2"], "--sweep expert: neither an axis of --mesh (data, context) nor an option"),
+    (["--sweep", "sizes=1,2", "--set", "sizes=1"], "give its values in --sweep only"),
     (["--sweep", "context=2,2"], "repeats a value"),
     (["--mesh", "data=2,context=x"], "--mesh: cannot read"),
 ])

@@ -11,13 +11,13 @@ that only lead into such a frame (a private function of the shared helper).
 
 from __future__ import annotations
 
-from ..analyzer import Analysis, Source
+from ._model import Analysis, Source
 
 
 def helper_frames(analysis: Analysis) -> frozenset[tuple[str, int]]:
     callers: dict[tuple[str, int], set[tuple[str, int]]] = {}
     stacks = [c.stack for c in analysis.collectives] + [f.stack for f in analysis.findings] \
-        + [r.stack for r in analysis.requested]
+        + [r.stack for r in analysis.requested] + [b.stack for b in analysis.memory.peak_buffers]
     for stack in stacks:
         for inner, outer in zip(stack, stack[1:]):
             callers.setdefault((inner.file, inner.line), set()).add((outer.file, outer.line))

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from shardlint.analyzer import Analysis, Collective, Memory, Source
-from shardlint.reports._frames import frames_text, helper_frames
+from shardlint.analyzer._frames import frames_text, helper_frames
 
 HELPER = Source("maxtext/utils/sharding.py", 128, "maybe_shard_with_name")
 WRAPPER = Source("maxtext/layers/moe.py", 1216, "_maybe_shard_with_logical")
