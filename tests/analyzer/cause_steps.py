@@ -243,11 +243,13 @@ def make_nnx_step(mesh, concrete: bool = False, scanned: bool = False):
         return model, nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
 
     replicated = NamedSharding(mesh, P())
-    if concrete:  # real weights, to run the step (`concrete=True`); else shapes only
+    if concrete:  # real weights and batch, to run the step (`concrete=True`); else shapes only
         model, optimizer = create()
         for state in (nnx.state(model), nnx.state(optimizer)):
             nnx.update(state, jax.device_put(state, replicated))
-        return train_step, (model, optimizer, _batch(mesh))
+        x = _batch(mesh)
+        x_BSD = jax.device_put(jax.random.normal(jax.random.key(0), x.shape, x.dtype), x.sharding)
+        return train_step, (model, optimizer, x_BSD)
     model, optimizer = nnx.eval_shape(create)
     for state in (nnx.state(model), nnx.state(optimizer)):
         nnx.update(state, jax.tree.map(

@@ -89,11 +89,9 @@ def test_nnx_step_updates_model_and_optimizer_as_the_original(scanned):
     from flax import nnx
 
     mesh = _mesh(4)
-    step, (model, optimizer, x_spec) = cause_steps.make_nnx_step(mesh, concrete=True, scanned=scanned)
-    fixed = shardlint.rewrite(step, mesh, args=(model, optimizer, x_spec))
+    step, (model, optimizer, x) = cause_steps.make_nnx_step(mesh, concrete=True, scanned=scanned)
+    fixed = shardlint.rewrite(step, mesh, args=(model, optimizer, x))
     assert fixed.changed is True
-    x = jax.device_put(np.random.default_rng(0).normal(size=x_spec.shape).astype(np.float32),
-                       x_spec.sharding)
     results = []
     for run in (step, fixed):
         m, o = nnx.clone(model), nnx.clone(optimizer)
