@@ -86,7 +86,9 @@ class _Emitter:
         plan, token_axes = self.plan, self.token_axes
         eqns, l_eqns = level.jaxpr.eqns, level.local.eqns
         passed = [v for v in grp.inputs if v not in level.built]
-        sharded_out = [v for v in grp.outputs if v in plan.specs]
+        # A value sized by one shard's capacity carries tokens too, but has no global form:
+        # it travels stacked (`Group.stacked`), never sharded.
+        sharded_out = [v for v in grp.outputs if v in plan.specs and v not in grp.stacked]
         summed_out = [v for v in grp.outputs if v in grp.summed]
         stacked_out = [v for v in grp.outputs if v in grp.stacked]
         in_specs = tuple(self.stacked_spec if v in stacked else plan.specs.get(v, P()) for v in passed)

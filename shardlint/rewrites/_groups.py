@@ -53,13 +53,15 @@ def convex_groups(eqns, region: set[int]) -> list[Group]:
 
 
 def boundaries(level, eqns, l_eqns, producer, consumers, outvars: dict, crossable, *,
-               sharded: set, scrambled: set, labels: set, per_shard: set) -> None:
+               sharded: set, scrambled: set, labels: set, per_shard: set,
+               per_shard_capacity: bool = False, counts: frozenset | set = frozenset()) -> None:
     """Fills each group's inputs and outputs, and the level's per-shard results.
 
     `sharded` values carry tokens along a dimension sharded like the input's; those in
     `scrambled` hold them in per-shard order, and those in `labels` hold only positions
-    within a shard (in block form). `per_shard` values have no global form (a dimension
-    sized by a per-shard capacity).
+    within a shard (in block form), and those in `counts` running totals over a shard's
+    tokens (capacity positions). `per_shard` values have no global form (a dimension sized
+    by a per-shard capacity).
     """
     group_of = {i: gi for gi, grp in enumerate(level.groups) for i in grp.eqns}
     tokens = sharded | per_shard
@@ -85,12 +87,14 @@ def boundaries(level, eqns, l_eqns, producer, consumers, outvars: dict, crossabl
                 stays = outside or (at is not None and not leaves)
                 if v in per_shard:
                     if stays:
-                        _refusals.refuse_global_capacity(eqns[i], v)
+                        (_refusals.refuse_capacity_exit if per_shard_capacity
+                         else _refusals.refuse_global_capacity)(eqns[i], v)
                 elif v in sharded:
                     if v not in scrambled:
                         continue  # in (batch, seq, ...) order: it leaves sharded
                     if stays:
-                        _refusals.refuse_scrambled_exit(eqns[i], v)
+                        (_refusals.refuse_position_exit if v in counts
+                         else _refusals.refuse_scrambled_exit)(eqns[i], v)
                     if leaves:
                         level.scrambled_out[at] = v in labels
                     continue

@@ -6,8 +6,16 @@ routing op on a line where the analysis found the sharding lost, or at a per-sha
 that arrives from another body; it grows forward through everything that reads tokens in
 per-shard order (and the per-shard values derived from them that feed back into the
 region, like group sizes), and ends where tokens are reshaped back to `(batch, seq, ...)`
-(or, with per-shard capacity, combined back into block form) or reduced away. Only the
-parts that route tokens to experts are kept.
+or reduced away. Only the parts that route tokens to experts are kept.
+
+With per-shard capacity (GShard groups), two more kinds of value keep the region going,
+because outside it they would mean something else: running totals over a shard's tokens
+(`counts`, a token's position in its expert), up to the comparison that turns them into
+a keep-or-drop decision, and values with a dimension sized by the shard's capacity
+(`Grower.capacity`: one-hot slots, the dispatched `[experts, batch, capacity, ...]`
+activations and their expert matmuls), up to the combine that contracts that dimension
+away. A reshape back to `(batch, seq, ...)` ends neither: MaxText's `generate_masks`
+folds `(seq, top_k)` for its cumsum and unfolds the counts right after.
 """
 
 from __future__ import annotations
@@ -43,6 +51,9 @@ class Grower:
     doubly: set                   # values with a second dimension sized by the token count
     seed_lines: frozenset         # (file, line) where the analysis found sharding lost
     per_shard_capacity: bool
+    # With per-shard capacity: values with a dimension that shrinks per shard but is no
+    # token dimension (a capacity's slots), `doubly` included; else just `doubly`.
+    capacity: frozenset = frozenset()
 
     @functools.cached_property
     def scaled(self) -> set:
@@ -50,7 +61,7 @@ class Grower:
         return set(self.specs) | self.doubly
 
     def region(self, eqns, producer, consumers, scrambled_in: dict, stacked_in,
-               leaves: dict | None = None) -> tuple[set[int], set, set]:
+               leaves: dict | None = None) -> tuple[set[int], set, set, set]:
         """The region's equations, and the values in it that hold tokens in per-shard order
         (flattened, or built from per-shard constants): those may not leave it. `leaves`:
         token-sized values buildable per shard with no equation here (constants, and those
@@ -58,22 +69,21 @@ class Grower:
         `scrambled_in`: the arriving values in per-shard order, each with whether it holds
         local positions only (a scatter's `(batch, seq)` indices the forward saved for the
         backward). Returns the region, its scrambled values and, of those, the label-only
-        ones."""
+        ones and the running totals over a shard's tokens."""
         leaves = leaves or {}
         merges = {i for i, e in enumerate(eqns) if _merges_seq(e, self.specs, self.axes)}
-        routing = {i for i, e in enumerate(eqns) if self._routing_seed(e)}
+        routing = {i for i, e in enumerate(eqns) if self._routing_seed(e, eqns, producer)}
         arriving = set(scrambled_in) | set(stacked_in)
         seeds = merges | routing
         seeds |= {c for v in arriving for c in consumers.get(v, ()) if sub_of(eqns[c]) is None}
         if not seeds:
-            return set(), set(), set()
+            return set(), set(), set(), set()
         exits = {i for i, e in enumerate(eqns) if _splits_tokens(e, self.specs, self.axes)}
         region: set[int] = set(seeds)
         scrambled: set = set(scrambled_in)
-        # With per-shard capacity, a running total over tokens means "per shard": what it
-        # feeds stays in the region until tokens are back in block form (the combine).
-        coupling = {i for i in routing if self.per_shard_capacity
-                    and _refusals.couples_tokens(eqns[i], self.specs)}
+        # With per-shard capacity: running totals over a shard's tokens (filled in as the
+        # region grows; a capacity's value is one shard's, see the module docstring).
+        counts: set = set()
         # Constants rebuilt per shard that are built from an iota hold local positions
         # (indices into the shard's block, which is what the region's ops address): they
         # may not leave it, so what reads them joins in turn (scatter's JVP compares such
@@ -83,7 +93,7 @@ class Grower:
         positional: set = {v for v, labels_only in scrambled_in.items() if labels_only}
         while True:
             self._grow(eqns, producer, consumers, region, scrambled, positional, stacked_in,
-                       merges=merges, exits=exits, coupling=coupling)
+                       merges=merges, exits=exits, counts=counts)
             grown = set(region)
             pulled = _pull_in_constants(eqns, region, self.scaled, producer, leaves)
             if not pulled:
@@ -113,13 +123,17 @@ class Grower:
                     f"a per-shard value ({v.aval.str_short()}) that a routed layer saved for later "
                     f"is read outside a routed region{_refusals.user_line(eqns[outside[0]])}; "
                     "wrap the layer in jax.checkpoint so its backward recomputes it")
-        return region, scrambled, positional
+        # Running totals may not leave the region either: outside they would be compared
+        # with the capacity of all tokens.
+        return region, scrambled | counts, positional, counts
 
     def _grow(self, eqns, producer, consumers, region, scrambled, positional, stacked_in, *,
-              merges, exits, coupling) -> None:
-        """Grows `region`, `scrambled` and `positional` in place to a fixpoint: an equation
-        joins when it reads tokens in per-shard order, or reads a per-shard value (group
-        sizes, offsets) and feeds back into the region.
+              merges, exits, counts) -> None:
+        """Grows `region`, `scrambled`, `positional` and `counts` in place to a fixpoint: an
+        equation joins when it reads tokens in per-shard order, or reads a per-shard value
+        (group sizes, offsets) and feeds back into the region, or, with per-shard capacity,
+        reads a running total over a shard's tokens or a value with a dimension sized by
+        the shard's capacity that the region made.
 
         `positional` values are in (batch, seq, ...) form but hold per-shard labels (local
         positions, ids scattered and gathered back); comparing two for equality gives the
@@ -134,13 +148,18 @@ class Grower:
                 if i not in region:
                     per_shard = any(v not in self.scaled and (producer.get(v) in region or v in stacked_in)
                                     for v in ins)
-                    if not (any(v in scrambled for v in ins) or (per_shard and i in reaches)):
+                    slots = any(v in self.capacity and (producer.get(v) in region or v in stacked_in)
+                                for v in ins) and self.per_shard_capacity
+                    if not (any(v in scrambled or v in counts for v in ins) or slots
+                            or (per_shard and i in reaches)):
                         continue
                     region.add(i)
                     changed = True
-                if i in exits or (coupling and self._back_in_block_form(e)):
+                if self.per_shard_capacity and _count(e, counts, self.scaled, self.specs):
+                    changed = True
+                if i in exits:
                     continue
-                if self._propagate(e, scrambled, positional, reordered=i in merges or i in coupling):
+                if self._propagate(e, scrambled, positional, reordered=i in merges):
                     changed = True
 
     def _propagate(self, eqn, scrambled, positional, *, reordered: bool) -> bool:
@@ -164,19 +183,20 @@ class Grower:
             positional |= new
         return bool(new)
 
-    def _back_in_block_form(self, eqn) -> bool:
-        """Tokens sharded as the input's, computed from a per-shard-capacity value (one
-        with a dimension sized by the capacity): the combine of a capacity dispatch."""
-        return (all(v in self.specs for v in eqn.outvars)
-                and any(v in self.doubly for v in variables(eqn.invars)))
-
-    def _routing_seed(self, eqn) -> bool:
+    def _routing_seed(self, eqn, eqns, producer) -> bool:
         """A routing op where the analysis found the sharding lost (jnp's `cumsum`,
-        `argsort` and `take_along_axis` are jitted helpers: their jit equation counts)."""
+        `argsort` and `take_along_axis` are jitted helpers: their jit equation counts), or
+        one whose operand an equation there made: JAX 0.12 often names the matmul that
+        feeds top_k (the router's logits) instead of top_k itself."""
         if not self.seed_lines or not _is_routing_op(eqn):
             return False
-        if not any(v in self.scaled for v in variables(_routed_operands(eqn))):
+        operands = [v for v in variables(_routed_operands(eqn)) if v in self.scaled]
+        if not operands:
             return False
+        makers = [eqns[producer[v]] for v in operands if v in producer]
+        return any(self._at_seed_line(e) for e in (eqn, *makers))
+
+    def _at_seed_line(self, eqn) -> bool:
         frame = _jax.user_frame(eqn)
         return frame is not None and (display_path(frame[0]), frame[1]) in self.seed_lines
 
@@ -200,6 +220,38 @@ class Grower:
         return _connected_parts(eqns, region, producer,
                                 lambda i: i in keep or is_grouped_matmul_eqn(eqns[i])
                                 or is_expert_batched_eqn(eqns[i], producer))
+
+
+# Comparisons turn a running total into a decision (kept or dropped): an ordinary value.
+_COMPARISONS = {"lt", "le", "gt", "ge", "eq", "ne"}
+
+
+def _count(eqn, counts: set, scaled, specs) -> bool:
+    """Marks `eqn`'s results that are running totals over a shard's tokens: those of a
+    cumulative op over a token dimension, and those computed from one by anything but a
+    comparison (a jitted helper, `jax.nn.one_hot` say, is looked into). True when
+    something new was marked."""
+    counted_in = [not _jax.is_literal(a) and a in counts for a in eqn.invars]
+    new = {v for v, is_count in zip(eqn.outvars, _counts_out(eqn, counted_in, specs))
+           if is_count and v in scaled} - counts
+    counts |= new
+    return bool(new)
+
+
+def _counts_out(eqn, counted_in: list[bool], specs) -> list[bool]:
+    name = eqn.primitive.name
+    if _refusals.couples_tokens(eqn, specs):
+        return [True] * len(eqn.outvars)
+    if name in _COMPARISONS or not any(counted_in):
+        return [False] * len(eqn.outvars)
+    sub = sub_of(eqn) if name in ("jit", "pjit") else None
+    if sub is None:
+        return [True] * len(eqn.outvars)
+    inner: set = {v for v, c in zip(sub.jaxpr.invars, counted_in) if c}
+    for e in sub.jaxpr.eqns:
+        inner |= {v for v, c in zip(e.outvars, _counts_out(e, [not _jax.is_literal(a) and a in inner
+                                                                for a in e.invars], specs)) if c}
+    return [not _jax.is_literal(v) and v in inner for v in sub.jaxpr.outvars]
 
 
 def _merges_seq(eqn, specs, axes: TokenAxes) -> bool:

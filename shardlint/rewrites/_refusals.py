@@ -100,6 +100,24 @@ def refuse_global_capacity(eqn, var) -> None:
         f"and drop different tokens, so this region is left alone. {CAPACITY_WAY_OUT}")
 
 
+def refuse_capacity_exit(eqn, var) -> None:
+    raise RewriteError(
+        f"{var.aval.str_short()}{user_line(eqn)} has a dimension sized by one shard's capacity "
+        "(capacity='per-shard') and is used outside the routed region, where the step expects "
+        "the capacity of all tokens. Contract the capacity dimension (the combine back to "
+        "(batch, seq, ...)) inside the layer and return only that, or compute capacity per "
+        "group of tokens in the model itself")
+
+
+def refuse_position_exit(eqn, var) -> None:
+    raise RewriteError(
+        f"a running total over a shard's tokens ({var.aval.str_short()}{user_line(eqn)}: a "
+        "token's position in its expert, with capacity='per-shard') leaves the routed region; "
+        "outside it the step would compare it with the capacity of all tokens. Keep what reads "
+        "the positions (the capacity masks, dispatch and combine) inside the layer and return "
+        "only its output, or compute capacity per group of tokens in the model itself")
+
+
 def refuse_scrambled_exit(eqn, var) -> None:
     raise RewriteError(
         f"a per-shard value ({var.aval.str_short()}{user_line(eqn)}: tokens in per-shard order, "

@@ -21,6 +21,7 @@ reach a body that consumes it inside a region; anything else is refused.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from jax.sharding import PartitionSpec as P
 
@@ -87,14 +88,18 @@ def plan_regions(traces: Traces, axes: TokenAxes, *, seed_lines: frozenset = fro
             doubly.add(var)
             continue
         specs[var] = spec
-    planner = _Planner(axes, specs, doubly, local_of, seed_lines, per_shard_capacity, traces)
+    capacity = frozenset(doubly)
+    if per_shard_capacity:
+        sizes = _token_sizes(g.jaxpr.invars, specs)
+        capacity |= {v for v, spec in specs.items() if not _token_shaped(v, spec, sizes)}
+    planner = _Planner(axes, specs, doubly, capacity, local_of, seed_lines, per_shard_capacity, traces)
     top = planner.level(g.jaxpr, tuple(g.consts), l.jaxpr, tuple(l.consts))
     return Plan(top, axes, specs, local_of, traces)
 
 
 class _Planner:
-    def __init__(self, axes, specs, doubly, local_of, seed_lines, per_shard_capacity, traces):
-        self.grower = Grower(axes, specs, doubly, seed_lines, per_shard_capacity)
+    def __init__(self, axes, specs, doubly, capacity, local_of, seed_lines, per_shard_capacity, traces):
+        self.grower = Grower(axes, specs, doubly, seed_lines, per_shard_capacity, capacity)
         self.local_of = local_of
         self.retraced, self.unsure = bool(traces.retraced), traces.unsure
 
@@ -111,8 +116,8 @@ class _Planner:
         g = self.grower
         builders = Builders(jaxpr, local, local_consts, producer, g.scaled, built_in or {},
                             self.local_of, positional_in, self.unsure)
-        region, scrambled, labels = self.grower.region(eqns, producer, consumers, scrambled_in,
-                                                       stacked_in, leaves=builders.leaves())
+        region, scrambled, labels, counts = self.grower.region(
+            eqns, producer, consumers, scrambled_in, stacked_in, leaves=builders.leaves())
         if region and not g.per_shard_capacity:
             for i in sorted(region):   # the capacity itself first, then what couples tokens
                 for v in eqns[i].outvars:
@@ -125,7 +130,8 @@ class _Planner:
         level = Level(jaxpr, consts, local, local_consts, groups, {}, set(stacked_in), {})
         outvars = {v: k for k, v in enumerate(jaxpr.outvars) if not _jax.is_literal(v)}
         boundaries(level, eqns, local.eqns, producer, consumers, outvars, crossable,
-                   sharded=set(g.specs), scrambled=scrambled, labels=labels, per_shard=g.doubly)
+                   sharded=set(g.specs), scrambled=scrambled, labels=labels, per_shard=g.capacity,
+                   per_shard_capacity=g.per_shard_capacity, counts=counts)
         for grp in groups:
             for v in grp.inputs:
                 if v in g.scaled and v not in scrambled_in and builders.can_build(v):
@@ -189,6 +195,31 @@ class _Planner:
         raise RewriteError(f"a per-shard value ({var.aval.str_short()}) is carried from one layer "
                            f"to the next{_refusals.user_line(eqn)}; the rewrite keeps carries "
                            "global. Return it per (batch, seq) from the layer")
+
+
+def _token_sizes(invars, specs) -> dict:
+    """The global sizes a token dimension has, per the mesh axes that shard it: those of
+    the step's token-carrying inputs (batch, sequence) and of any run of their adjacent
+    dimensions merged into one (flattened tokens)."""
+    sizes: dict = {}
+    for v in invars:
+        spec = specs.get(v)
+        if spec is None:
+            continue
+        shape = v.aval.shape
+        entries = [entry_axes(e) for e in tuple(spec) + (None,) * (len(shape) - len(spec))]
+        for first in range(len(shape)):   # a run ends at a sharded dimension (the minor one)
+            for end in (e + 1 for e in range(first, len(shape)) if entries[e]):
+                names = tuple(a for e in entries[first:end] for a in e)
+                sizes.setdefault(names, set()).add(math.prod(shape[first:end]))
+    return sizes
+
+
+def _token_shaped(var, spec, sizes: dict) -> bool:
+    """Whether every dimension of `var` that shrinks per shard has a token dimension's size
+    (else one is sized by something computed from the token count: a capacity)."""
+    return all(entry is None or var.aval.shape[d] in sizes.get(entry_axes(entry), ())
+               for d, entry in enumerate(spec))
 
 
 def _spec(var, lvar, svar, axes: TokenAxes) -> P | None:

@@ -114,8 +114,11 @@ def rewrite(step: Callable, mesh, *, verify: bool = False, args: tuple | None = 
     from `batch_axes`/`seq_axes`. The arguments that carry those tokens (and shrink per
     shard) are those sharded like the lost value, wherever they sit in the signature;
     `params_argnums` names the parameters instead, for the analysis too. `capacity="per-shard"` lets a capacity computed from
-    the tokens (GShard-style dispatch) run per shard: each shard then drops by its own
-    capacity, which changes which tokens drop, so it is opt-in; by default such a region
+    the tokens (GShard-style dispatch) run per shard: the one-hot masks, the running totals,
+    the capacity, the dispatch, the expert matmuls and the combine then run on each shard's
+    tokens with the capacity of its own token count (GShard groups; a sharding constraint
+    in there that asks for the whole sequence is dropped), so each shard drops by its own
+    capacity, which changes which tokens drop: it is opt-in, and by default such a region
     is refused. With `verify=True` (needs `args`) both versions run once on random inputs
     of the real shapes and a `RewriteError` is raised if any output differs beyond float32
     tolerance. A step whose Python does not trace at one shard's shapes (a mask of the
@@ -308,7 +311,8 @@ def _lost_in(step, args, progress, analysis=None, params_argnums=None) -> _Lost:
                 for t in [_tokens_of(f)] if t.axes.seq]
     routing = [t for f in lost if f.op in _ROUTING_FINDING_OPS and len(f.operand_spec) >= 3
                for t in [_tokens_of(f)] if t.axes.seq]
-    found = {t.axes: t for t in reversed(flattens or routing)}   # the first finding's sizes
+    found = {t.axes: dataclasses.replace(t, roles=analysis.argument_roles)
+             for t in reversed(flattens or routing)}   # the first finding's sizes
     if len(found) > 1:
         raise RewriteError(f"the lossy ops are sharded differently "
                            f"({sorted((a.batch, a.seq) for a in found)}); pass batch_axes= and "
