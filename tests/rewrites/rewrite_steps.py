@@ -10,6 +10,7 @@ scanned, pre-jitted, nnx and scatter-dispatch steps are the analyzer's
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -220,3 +221,59 @@ def make_size_branch_step(mesh, *, mixing: bool = False):
         return x_BSD + routed_moe(params, x_BSD, TOP_K)
 
     return _loss_step(block), (_mixing_params(mesh) if mixing else _moe_params(mesh), _batch(mesh))
+
+
+def maxtext_capacity_moe(params, x_BSD, *, mesh, capacity_factor: float = 1.25, leak: str = ""):
+    """MaxText's dense capacity path in miniature (`RoutedMoE.dense_matmul` with
+    `capacity_factor > 0`, `generate_masks`): top_k and the scatter into `[batch, seq,
+    experts]` weights; the one-hot experts folded to `[batch, seq * top_k, experts]` under a
+    constraint that asks for the sequence unsharded; a cumsum over it (a token's position
+    in its expert); a capacity from the sequence length; `[batch, seq, experts, capacity]`
+    masks; the dispatch `BSM,BSEC -> EBCM`, the expert einsums and the combine
+    `EBCM,BSEC -> BSM`. `leak` also returns a value from inside: "positions" (the running
+    totals) or "dispatched" (the `[experts, batch, capacity, emb]` expert inputs)."""
+    b, s, _ = x_BSD.shape
+    logits_BSE = jnp.einsum("bsd,de->bse", x_BSD, params["w_gate"])
+    weights_BSK, experts_BSK = jax.lax.top_k(logits_BSE, TOP_K)
+    weights_BSK = jax.nn.softmax(weights_BSK, axis=-1)
+    b_B, s_S = jnp.arange(b)[:, None, None], jnp.arange(s)[None, :, None]
+    weights_BSE = jnp.zeros_like(logits_BSE).at[b_B, s_S, experts_BSK].set(weights_BSK)
+    capacity = int(max(math.ceil(s * TOP_K / EXPERTS) * capacity_factor, capacity_factor))
+    mask_BSKE = jax.nn.one_hot(experts_BSK, EXPERTS, dtype=jnp.int32)
+    mask_BTE = mask_BSKE.reshape(b, s * TOP_K, EXPERTS)
+    whole_seq = NamedSharding(mesh, P("data", None, None))
+    mask_BTE = jax.lax.with_sharding_constraint(mask_BTE, whole_seq)  # <- asks for the whole sequence
+    count_BTE = jnp.cumsum(mask_BTE, axis=1)
+    count_BSKE = count_BTE.reshape(b, s, TOP_K, EXPERTS)  # <- positions
+    kept_BSE = jnp.sum(mask_BSKE * (count_BSKE <= capacity), axis=2)
+    weights_BSE = weights_BSE * kept_BSE
+    position_BSE = jnp.sum((mask_BTE * count_BTE).reshape(b, s, TOP_K, EXPERTS), axis=2) * kept_BSE
+    slot_BSEC = jax.nn.one_hot(position_BSE, capacity + 1, dtype=jnp.int32)
+    combine_BSEC = (weights_BSE[..., None] * slot_BSEC)[..., 1:]
+    dispatch_BSEC = combine_BSEC.astype(bool)
+    expert_in_EBCD = jnp.einsum("BSM,BSEC -> EBCM", x_BSD, dispatch_BSEC)  # <- dispatch
+    hidden_EBCF = jax.nn.silu(jnp.einsum("EBCM,EMH -> EBCH", expert_in_EBCD, params["w_in"]))
+    out_EBCD = jnp.einsum("EBCH,EHM -> EBCM", hidden_EBCF, params["w_out"])
+    out_BSD = jnp.einsum("EBCM,BSEC -> BSM", out_EBCD, combine_BSEC)
+    if leak:
+        return out_BSD, {"positions": count_BSKE, "dispatched": expert_in_EBCD}[leak]
+    return out_BSD
+
+
+def make_maxtext_capacity_step(mesh, capacity_factor: float = 1.25, *, layer=None, leak: str = ""):
+    """`maxtext_capacity_moe` in a residual block, value_and_grad over its parameters and
+    input. `layer` replaces the layer (a per-shard reference of it); `leak` returns a value
+    from inside the layer with the loss."""
+    moe = layer or functools.partial(maxtext_capacity_moe, mesh=mesh, capacity_factor=capacity_factor,
+                                     leak=leak)
+
+    def step(params, x_BSD):
+        def loss(params, x_BSD):
+            out = moe(params, x_BSD)
+            out_BSD, aux = out if leak else (out, None)
+            return jnp.mean((x_BSD + out_BSD) ** 2), aux
+
+        (value, aux), grads = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(params, x_BSD)
+        return (value, grads, aux) if leak else (value, grads)
+
+    return step, (_moe_params(mesh), _batch(mesh))
