@@ -20,7 +20,7 @@ known trip counts of the loops around it (None when XLA does not know one).
 
 from __future__ import annotations
 
-from ._devices import MeshInfo, axes_of_groups, axes_of_pairs, parse_replica_groups
+from ._devices import MeshInfo, axes_of_groups, axes_of_pairs, parse_replica_groups, replica_group_axes
 from ._hlo import ArrayType, HloModule, Instruction
 from ._model import Collective, Source
 from ._patterns import NEEDS_WHOLE
@@ -217,8 +217,8 @@ def _collective(instr: Instruction, kind: str, is_async: bool, mesh: MeshInfo,
         groups = parse_replica_groups(instr.replica_groups, mesh.num_devices)
         axes = axes_of_groups(mesh, groups)
         group = len(groups[0]) if groups else mesh.num_devices
-        if axes is None:
-            axes = (f"?{group}",)
+        if axes is None:   # part of an axis: a sub-axis XLA names it by, else its size
+            axes = replica_group_axes(instr.replica_groups) or (f"?{group}",)
     own = instr.source
     src = consumer.source if consumer is not None else own
     stack = user_stack(consumer.stack if consumer is not None else instr.stack)

@@ -40,7 +40,10 @@ _TILED_RE = re.compile(rf"devices=\[({_INTS})\](?:<=\[({_INTS})\](?:T\(({_INTS})
 _MESH_RE = re.compile(r"mesh\[((?:'[^']+'=\d+(?:,\s*'[^']+'=\d+)*)?)\]"
                       r"(?:,\s*device_ids=(?:\[(\s*\d+(?:\s*,\s*\d+)*\s*)\]"
                       rf"|\(\[({_INTS})\](?:T\(({_INTS})\))?\)))?")
-_AXES_RE = re.compile(r"\s*(?:\{\s*((?:'[^']+'(?:\s*,\s*'[^']+')*)?)\s*\})?")
+# The axes after a printed mesh, `{'context'}`, or sub-axes of Shardy's notation,
+# `{'context':(1)4}`: axis context split as (1, 4, rest), its middle part.
+_AXES_RE = re.compile(r"\s*(?:\{\s*((?:'[^']+'(?::\(\d+\)\d+)?(?:\s*,\s*'[^']+'(?::\(\d+\)\d+)?)*)?)\s*\})?")
+_SUB_AXIS_RE = re.compile(r"'([^']+)'(?::\((\d+)\)(\d+))?")
 _DIM_LIST_RE = re.compile(r"\[\s*(?:\{[^{}]*\}(?:\s*,\s*\{[^{}]*\})*)?\s*\]")
 _NAMED_DIM_RE = re.compile(r"\s*(?:'[^']+'(?::\(\d+\)\d+)?(?:\s*,\s*'[^']+'(?::\(\d+\)\d+)?)*)?\s*")
 
@@ -121,14 +124,11 @@ def parse_replica_groups(text: str, num_devices: int) -> list[list[int]]:
     if body.startswith("mesh["):
         names, sizes, devices, rest = _printed_mesh(text, body, num_devices)
         m = _AXES_RE.fullmatch(rest)
-        listed = re.findall(r"'([^']+)'", m.group(1) or "") if m else None
-        if listed is None or not set(listed) <= set(names):
+        listed = _SUB_AXIS_RE.findall(m.group(1) or "") if m else None
+        if listed is None or not {n for n, _, _ in listed} <= set(names):
             raise _unreadable(text, f"the collective's axes after the mesh, `{{'name',...}}` of "
                                     f"{', '.join(names)}")
-        keep = [i for i, n in enumerate(names) if n in listed]
-        rest_axes = [i for i in range(len(names)) if i not in keep]
-        width = math.prod(sizes[i] for i in keep)
-        return devices.transpose(rest_axes + keep).reshape(-1, width).tolist()
+        return _groups_over(text, names, sizes, devices, listed)
     m = _IOTA_GROUPS_RE.fullmatch(body)
     if m:
         shape = _ints(m.group(1))
@@ -260,6 +260,42 @@ def _named_sharding(text: str, body: str, mesh: MeshInfo, rank: int) -> Sharding
         axes = axes_of_index(mesh, index)
         dims.append(axes if axes is not None else tuple(n for n, _, _ in listed))
     return Sharding(tuple(dims), manual="manual" in rest[m.end():])
+
+
+def _groups_over(text: str, names: list[str], sizes: list[int], devices: np.ndarray,
+                 listed: list[tuple[str, str, str]]) -> list[list[int]]:
+    """The device groups of a collective over whole axes or Shardy sub-axes: each axis
+    split into its parts (a sub-axis `(pre)size` of an axis of size n is the middle of
+    (pre, size, n / (pre * size))), the listed parts varying within a group."""
+    factors, keep = [], []
+    for i, (name, n) in enumerate(zip(names, sizes)):
+        subs = [(int(pre), int(size)) for listed_name, pre, size in listed if listed_name == name and size]
+        whole = any(listed_name == name and not size for listed_name, _, size in listed)
+        if len(subs) > 1 or (subs and n % (subs[0][0] * subs[0][1])):
+            raise _unreadable(text, f"one sub-axis `'{name}':(pre)size` of axis {name} ({n}) that divides it")
+        if subs:
+            pre, size = subs[0]
+            parts = [pre, size, n // (pre * size)]
+            keep.append(len(factors) + 1)
+            factors += parts
+        else:
+            if whole:
+                keep.append(len(factors))
+            factors.append(n)
+    grid = devices.reshape(factors)
+    rest = [i for i in range(len(factors)) if i not in keep]
+    width = math.prod(factors[i] for i in keep)
+    return grid.transpose(rest + keep).reshape(-1, width).tolist()
+
+
+def replica_group_axes(text: str | None) -> tuple[str, ...]:
+    """The mesh axes a printed mesh's collective names, sub-axes by their axis
+    (`{'context':(1)4}` -> ('context',)); () for other notations."""
+    body = (text or "").strip()
+    if not body.startswith("mesh[") or "]" not in body:
+        return ()
+    tail = body[body.index("]") + 1:]
+    return tuple(dict.fromkeys(n for n, _, _ in _SUB_AXIS_RE.findall(tail)))
 
 
 def _printed_mesh(text: str, body: str, num_devices: int) -> tuple[list[str], list[int], np.ndarray, str]:

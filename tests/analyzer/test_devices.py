@@ -18,7 +18,8 @@ from jax.sharding import PartitionSpec as P
 
 from shardlint.analyzer import MeshInfo, parse_replica_groups, parse_sharding
 from shardlint.analyzer._compile import compile_step
-from shardlint.analyzer._devices import axes_of_groups
+from shardlint import HloParseError
+from shardlint.analyzer._devices import axes_of_groups, replica_group_axes
 from shardlint.analyzer._hlo import parse_hlo
 
 MESH_2x4 = MeshInfo(("data", "context"), (2, 4))
@@ -54,6 +55,19 @@ def test_iota_replica_groups_with_transpose():
     assert groups == [[0, 4], [1, 5], [2, 6], [3, 7]]
     assert axes_of_groups(MESH_2x4, groups) == ("data",)
     assert axes_of_groups(MESH_2x4, parse_replica_groups("[2,4]<=[8]", 8)) == ("context",)
+
+
+def test_a_sub_axis_of_a_printed_mesh_groups_part_of_the_axis():
+    """libtpu 0.0.50 (JAX 0.12) prints a collective over part of an axis in Shardy's
+    sub-axis notation: `'context':(1)2` is the major half of context (4 = 1 x 2 x 2)."""
+    text = "mesh['data'=2,'context'=4] {'context':(1)2}"
+    groups = parse_replica_groups(text, 8)
+    assert groups == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert axes_of_groups(MESH_2x4, groups) is None and replica_group_axes(text) == ("context",)
+    assert parse_replica_groups("mesh['data'=2,'context'=4] {'data', 'context':(2)2}", 8) == \
+        [[0, 1, 4, 5], [2, 3, 6, 7]]
+    with pytest.raises(HloParseError, match="sub-axis"):
+        parse_replica_groups("mesh['data'=2,'context'=4] {'context':(2)3}", 8)
 
 
 def test_partial_axis_groups_are_not_named_as_whole_axes():
