@@ -107,7 +107,11 @@ def _explain(compiled: Compiled, versions: dict[str, str], progress) -> Analysis
             parse_buffer_assignment(dumped.buffer_assignment, f"{where}'s buffer assignment"),
             parse_live_range(dumped.live_range, f"{where}'s live ranges"), partitioned, collectives,
             memory.temp_bytes))
+    roles = ["unused"] * compiled.argument_leaves
+    for number, leaf in enumerate(compiled.kept_leaves):
+        roles[leaf] = "weight" if flow.is_weight_parameter(number) else "input"
     return Analysis(
+        argument_roles=tuple(roles),
         mesh=compiled.mesh.as_dict(),
         memory=memory,
         collectives=collectives,

@@ -53,6 +53,8 @@ class Compiled:
     asked: tuple[Asked, ...] = ()
     topology: str | None = None      # TPU topology of compile-only devices (libtpu AOT)
     named_params: frozenset[int] | None = None   # entry parameters the user named (params_argnums)
+    kept_leaves: tuple[int, ...] = ()   # entry parameter number -> the argument leaf it holds (live)
+    argument_leaves: int = 0         # how many leaves the step's arguments have (live)
     remats: tuple[Remat, ...] = ()   # "Involuntary full rematerialization" logged by XLA
     mesh_object: Any = None          # the jax.sharding.Mesh the arguments live on
 
@@ -102,6 +104,7 @@ def compile_step(fn: Callable, args: tuple, mesh=None, progress=None,
         dumped = read_dump(dump_dir, compiled_only=True)
     finally:
         shutil.rmtree(dump_dir, ignore_errors=True)
+    kept = _kept_leaves(traced, lowered)
     if dumped.propagated is None and info.num_devices > 1:
         raise AnalysisError(
             "XLA wrote no module after sharding propagation; is the step sharded over more "
@@ -115,7 +118,9 @@ def compile_step(fn: Callable, args: tuple, mesh=None, progress=None,
         grouped_matmul_sources=grouped_matmul_sources(traced.jaxpr),
         asked=asked,
         topology=topology,
-        named_params=_named_params(traced, lowered, params_argnums),
+        named_params=_named_params(traced, kept, params_argnums),
+        kept_leaves=kept,
+        argument_leaves=sum(len(jax.tree_util.tree_leaves(a)) for a in traced.args_info[0]),
         remats=involuntary_rematerializations(log.text),
         mesh_object=mesh,
     )
@@ -136,17 +141,20 @@ def compile_error(error: Exception, info: MeshInfo, topology: str | None) -> Ana
                          f"the batch or sequence smaller")
 
 
-def _named_params(traced, lowered, params_argnums) -> frozenset[int] | None:
+def _named_params(traced, kept: tuple[int, ...], params_argnums) -> frozenset[int] | None:
     """The entry parameters that hold the positional arguments `params_argnums` names (None
     where it names none: then every floating-point argument may be a weight)."""
     if params_argnums is None:
         return None
-    # The positional arguments as the jitted function received them (for nnx.jit, the
-    # graph nodes' states), each as its flat leaves.
-    positional = traced.args_info[0]
-    named = [i in params_argnums for i, a in enumerate(positional) for _ in jax.tree_util.tree_leaves(a)]
-    kept = _jax.kept_argument_indices(lowered, len(named))
+    named = [i in params_argnums for i, a in enumerate(traced.args_info[0]) for _ in jax.tree_util.tree_leaves(a)]
     return frozenset(number for number, index in enumerate(kept) if index < len(named) and named[index])
+
+
+def _kept_leaves(traced, lowered) -> tuple[int, ...]:
+    """Entry parameter number -> the flat leaf of the positional arguments it holds, as the
+    jitted function received them (for nnx.jit, the graph nodes' states)."""
+    count = sum(len(jax.tree_util.tree_leaves(a)) for a in traced.args_info[0])
+    return tuple(i for i in _jax.kept_argument_indices(lowered, count) if i < count)
 
 
 def parameter_argnums(leaves_per_arg: list[list], out_avals) -> tuple[int, ...]:

@@ -89,6 +89,12 @@ class Provenance:
         moved = self.moved_weights(self.of(name))
         return bool(moved) and not moved & self.tokens
 
+    def is_weight_parameter(self, number: int) -> bool:
+        """Entry parameter `number` holds a weight: a floating-point parameter the program
+        never treats as tokens."""
+        bit = param_bit(number)
+        return bool(bit & self.weights) and not bit & self.tokens
+
     def with_tokens(self, bits: int) -> Provenance:
         return dataclasses.replace(self, tokens=self.tokens | (bits & self.weights))
 

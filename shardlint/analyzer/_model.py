@@ -178,6 +178,9 @@ class Analysis:
     topology: str | None = None
     dump: str | None = None         # the XLA dump folder it was read from (None: a live compile)
     unread: tuple[str, ...] = ()    # what that folder lacked and what that leaves unsaid
+    # per leaf of the step's positional arguments (live): "weight" (a parameter only moved),
+    # "input" (an activation it is handed: integers, token inputs) or "unused" (jit drops it)
+    argument_roles: tuple[str, ...] = ()
 
     def all_gathers(self) -> tuple[Collective, ...]:
         return tuple(c for c in self.collectives if c.kind == "all-gather")
@@ -234,6 +237,7 @@ class Analysis:
             topology=doc.get("topology"),
             dump=doc.get("dump"),
             unread=tuple(doc.get("unread", ())),
+            argument_roles=tuple(doc.get("argument_roles", ())),
         )
 
 

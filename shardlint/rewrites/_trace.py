@@ -86,6 +86,7 @@ class Tokens:
     batch_size: int | None = None
     seq_size: int | None = None
     params_argnums: tuple[int, ...] | None = None   # the user's word on which are parameters
+    roles: tuple[str, ...] = ()   # the analysis's word per argument leaf (`Analysis.argument_roles`)
 
 
 def trace_step(step: Callable, args: tuple, tokens: Tokens, mesh) -> Traces:
@@ -286,12 +287,19 @@ def token_leaves(args: tuple, tokens: Tokens, mesh, out_avals) -> list[bool]:
     embed dimension over context) lack that pair and keep their global shapes. Only when no
     leaf has it does the position of the arguments decide (every positional argument but
     the last that the step returns with the same shapes is a parameter); `params_argnums`
-    overrides both."""
+    overrides both. Of the leaves so sharded, those the analysis found weights
+    (`Tokens.roles`) are not, where others are."""
     leaves_per_arg = [jax.tree_util.tree_leaves(a) for a in args]
     if tokens.params_argnums is not None:
         params = set(tokens.params_argnums)
     else:
         found = [_carries_tokens(x, tokens, mesh) for leaves in leaves_per_arg for x in leaves]
+        # A weight that happens to be sharded and sized like the tokens (an embed dimension
+        # of the sequence's length over the context axis) is not one where the analysis
+        # found it a weight.
+        if len(tokens.roles) == len(found):
+            inputs = [f and role != "weight" for f, role in zip(found, tokens.roles)]
+            found = inputs if any(inputs) else found
         if any(found):
             return found
         params = set(parameter_argnums(leaves_per_arg, out_avals))
