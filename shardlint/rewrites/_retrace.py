@@ -33,6 +33,7 @@ import numpy as np
 
 from .. import _jax
 from .._errors import first_line
+from ._refusals import user_line
 from ._replay import read
 from ._shard_shapes import FOLLOWS_FIRST, Unfit, broadcast_shape, elementwise, fitted, mend, reshaped
 from ._subjaxprs import sub_of
@@ -151,7 +152,7 @@ class _Replay:
             resized = mend(eqn, invals)
             if resized:
                 raise _Meets(resized) from None
-            raise Unfit(f"{name} does not bind at one shard's shapes: {first_line(e)}") from None
+            raise Unfit(f"{name}{user_line(eqn)} does not bind at one shard's shapes: {first_line(e)}") from None
         if elementwise(eqn):
             self._settle(eqn)
         return list(out) if eqn.primitive.multiple_results else [out]
