@@ -3,11 +3,12 @@
 Both sides compile the same step from scratch each repeat (a fresh function object, so
 neither hits JAX's compilation cache); prints the medians and their ratio, for the example
 MoE step and for a `lax.scan` over 4 stacked layers under `jax.checkpoint` (the loop
-bodies, the dataflow through the while carry). Target <= 1.2. A third line compiles with
+bodies, the dataflow through the while carry), and with --maxtext MaxText's own training
+step (its dense capacity path, 2 layers, seq 2048). Target <= 1.2. A third line compiles with
 the analysis's dump options and reads nothing: what XLA's dump costs by itself (XLA:CPU
 writes LLVM IR and object files for every kernel once a dump folder is set).
 
-    python benchmarks/analysis_overhead.py [--repeats 5] [--mesh data=2,context=4]
+    python benchmarks/analysis_overhead.py [--repeats 5] [--mesh data=2,context=4] [--maxtext]
 """
 
 from __future__ import annotations
@@ -15,12 +16,15 @@ from __future__ import annotations
 import argparse
 import math
 import statistics
+import sys
 import tempfile
 import time
+from pathlib import Path
 
 import jax
 
 jax.config.update("jax_platforms", "cpu")
+sys.path.insert(0, str(Path(__file__).resolve().parent))   # benchmarks/maxtext_memory.py
 
 
 def main() -> None:
@@ -28,6 +32,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--mesh", default="data=2,context=4")
     parser.add_argument("--seq", type=int, default=512)
+    parser.add_argument("--maxtext", action="store_true",
+                        help="also MaxText's training step (Python 3.12+ with shardlint[maxtext])")
     args = parser.parse_args()
 
     from shardlint.commands._targets import build_mesh, parse_mesh_spec, simulate_devices
@@ -54,8 +60,21 @@ def main() -> None:
         return step, (stacked, x)
 
     print(f"jax {jax.__version__}, mesh {dict(axes)}, seq {args.seq}, {args.repeats} repeats")
-    for label, make in (("example MoE step", steps.make_step), ("scan over 4 layers + remat", make_scanned_step)):
+    cases = [("example MoE step", steps.make_step), ("scan over 4 layers + remat", make_scanned_step)]
+    if args.maxtext:
+        cases.append(("MaxText's step, dense capacity path (seq 2048)", _maxtext_step))
+    for label, make in cases:
         _measure(label, make, mesh, sizes, args.repeats)
+
+
+def _maxtext_step(mesh, sizes):
+    """MaxText's real training step (benchmarks/maxtext_memory.py's CPU config, context 4 x
+    fsdp 2); each call builds it anew, so nothing comes from a cache."""
+    import maxtext_memory
+    from shardlint.integrations.maxtext import make_step
+
+    return make_step(**{**maxtext_memory.MIXTRAL, **maxtext_memory.CPU, **maxtext_memory.PATHS["capacity"]},
+                     ici_context_parallelism=4)
 
 
 def _measure(label, make, mesh, sizes, repeats) -> None:
@@ -64,8 +83,8 @@ def _measure(label, make, mesh, sizes, repeats) -> None:
     def fresh_step(i):
         step, step_args = make(mesh, sizes)
 
-        def f(params, x):  # a new function each time: no compilation-cache hits
-            return step(params, x * (1.0 + i * 1e-6))
+        def f(*a):  # another program each time (a constant output): no compilation-cache hits
+            return step(*a), jax.numpy.float32(i)
 
         return f, step_args
 

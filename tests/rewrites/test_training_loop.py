@@ -136,3 +136,19 @@ def test_the_rewritten_step_behaves_as_a_jitted_function():
     assert jax.tree.structure(got) == jax.tree.structure(want)
     assert [(a.shape, a.dtype) for a in jax.tree.leaves(got)] == [(a.shape, a.dtype) for a in jax.tree.leaves(want)]
     assert fixed.trace(*args).lower().as_text() == fixed.lower(*args).as_text()
+
+
+def test_a_swapped_pre_jitted_step_keeps_its_shardings_and_donation():
+    """The swap route (models on shardlint.moe) traces the Python a jax.jit wraps again: the
+    step's own jit equation goes round the new body, so its in/out shardings and donated
+    parameters are the original's."""
+    mesh = _mesh()
+    step, args = decoder.make_step(mesh)
+    shardings = jax.tree.map(lambda a: a.sharding, args)
+    jitted = jax.jit(step, in_shardings=shardings, donate_argnums=0)
+    fixed = shardlint.rewrite(jitted, mesh, args=args)
+    assert isinstance(fixed, SwappedStep)
+    want, got = jitted.lower(*args).compile(), fixed.lower(*args).compile()
+    assert got.input_shardings == want.input_shardings
+    assert want.memory_analysis().alias_size_in_bytes > 0
+    assert got.memory_analysis().alias_size_in_bytes == want.memory_analysis().alias_size_in_bytes
