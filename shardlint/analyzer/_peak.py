@@ -168,6 +168,7 @@ class PeakLine:
     where: tuple                 # (the user's line, role)
     source: Source | None        # the user's line (past helpers shared by several callers)
     via: Source | None           # the innermost frame, where a helper stands between
+    name: str                    # XLA's op name where no source line is known (an argument's: `x_BSD`)
     op: str                      # the op of its largest buffer
     role: str
     bytes: int
@@ -177,6 +178,13 @@ class PeakLine:
     backward: bool               # the largest buffer's
     collective: str = ""         # the first collective behind any of them, and its cause
     cause: str = ""
+
+
+def unsourced(line) -> str:
+    """How a line that no source line made is shown: by XLA's name for its values (JAX names
+    a copy of an argument after the argument: `x_BSD`), or, for padding and the runtime's
+    own, by what those are."""
+    return f"{line.name or line.role} (no source line)"
 
 
 def peak_lines(buffers: tuple[PeakBuffer, ...], role: str | None = "temp",
@@ -197,7 +205,7 @@ def peak_lines(buffers: tuple[PeakBuffer, ...], role: str | None = "temp",
         behind = next((b for b in members if b.collective), None)
         user = users[where]
         lines.append(PeakLine(where=where, source=user, via=top.source if top.source != user else None,
-                              op=top.op, role=top.role, bytes=sum(b.bytes for b in members),
+                              name="" if user else top.op_path, op=top.op, role=top.role, bytes=sum(b.bytes for b in members),
                               free=sum(b.bytes for b in members if not b.alive), buffers=len(members),
                               shape=top.shape, backward=top.backward,
                               collective=behind.collective if behind else "",

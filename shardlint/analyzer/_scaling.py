@@ -19,7 +19,7 @@ import math
 from .._format import human_bytes
 from ._model import Analysis, Source
 from ._frames import helper_frames
-from ._peak import peak_lines
+from ._peak import peak_lines, unsourced
 
 # log(bytes ratio) / log(value ratio): at or below -0.5 a line shrinks, at or above 0.2 it grows.
 _SHRINKS, _GROWS = -0.5, 0.2
@@ -32,6 +32,7 @@ _MOST_LISTED = 10
 class ScaledLine:
     source: Source | None        # the user's line
     via: Source | None           # the helper frame it went through, if any
+    name: str                    # XLA's op name where no source line is known
     op: str
     role: str
     bytes: tuple[int, ...]       # at each point (0 where the line holds nothing)
@@ -62,7 +63,7 @@ class MemoryScaling:
             return f"{last}; temp follows its ideal"
         shown = self.lines[:self.listed]
         held = sum(line.excess for line in shown)
-        where = "; ".join(f"{line.source or line.role} {line.op} ({line.scaling}, +{human_bytes(line.excess)})"
+        where = "; ".join(f"{line.source or unsourced(line)} {line.op} ({line.scaling}, +{human_bytes(line.excess)})"
                           for line in shown[:3])
         more = f" and {len(shown) - 3} more" if len(shown) > 3 else ""
         return (f"{last}; {len(shown)} line(s) hold {human_bytes(held)} that does not shrink: "
@@ -83,7 +84,7 @@ def memory_scaling(key: str, values: tuple[int, ...], analyses: list[Analysis]) 
     for where in wheres:
         held = tuple(point[where].bytes if where in point else 0 for point in per_point)
         sample = next(point[where] for point in per_point if where in point)
-        lines.append(ScaledLine(source=sample.source, via=sample.via, op=sample.op, role=sample.role, bytes=held,
+        lines.append(ScaledLine(source=sample.source, via=sample.via, name=sample.name, op=sample.op, role=sample.role, bytes=held,
                                 scaling=_scaling(held, values),
                                 excess=held[-1] - round(held[0] * ratios[-1])))
     lines.sort(key=lambda line: (-line.excess, str(line.source)))

@@ -9,9 +9,10 @@
 
 A point's memory is `Analysis.memory` (`temp_bytes`, `peak_buffers`, ...). A scaling is
 `analyzer._scaling.MemoryScaling` of that side: `temp` and `ideal` per point, `lines` (each
-line's `source`, `op`, `role`, `bytes` per point, `scaling` and `excess` at the last point,
-largest excess first), `listed` (how many of them the headline names), their share of the
-last point's temp above its ideal (`above_ideal_explained`) and the `headline`.
+line's `source` (or XLA's `name` for it where it has none), `op`, `role`, `bytes` per point,
+`scaling` and `excess` at the last point, largest excess first), `listed` (how many of them
+the headline names), their share of the last point's temp above its ideal
+(`above_ideal_explained`) and the `headline`.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ import json
 from .._format import clip, human_bytes
 from ..analyzer import Analysis, scope_tree
 from ..analyzer._model import DROPPED, REMATERIALIZED, RESHARDED, UNSPLIT
-from ..analyzer._peak import peak_lines
+from ..analyzer._peak import peak_lines, unsourced
 from ..analyzer._frames import frames_text, helper_frames
 
 
@@ -192,7 +192,7 @@ def format_sweep(sweep: dict, title: str = "") -> str:
             table = [("excess", "scaling", head, "op", "line")]
             table += [(("+" if line.excess > 0 else "") + human_bytes(line.excess), line.scaling,
                        " / ".join(human_bytes(b) for b in line.bytes), line.op,
-                       " via ".join(str(f) for f in (line.source, line.via) if f) or line.role)
+                       " via ".join(str(f) for f in (line.source, line.via) if f) or clip(unsourced(line), 72))
                       for line in shown]
             widths = [max(len(r[i]) for r in table) for i in range(len(table[0]))]
             lines += ["  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in table]
