@@ -80,7 +80,7 @@ def peak_text(memory, helpers=(), most: int = 6) -> list[str]:
     for line in lines[:most]:
         where = " via ".join(str(f) for f in (line.source, line.via) if f)
         if not where:   # padding, the runtime's own, an argument: what it is instead
-            out.append(f"    {human_bytes(line.bytes):>11}  {line.op}: {line.where[0]}")
+            out.append(f"    {human_bytes(line.bytes):>11}  {line.op}: {line.name or 'no source line'}")
             continue
         behind = f"  <- {line.collective} ({line.cause})" if line.collective else ""
         count = f" x{line.buffers}" if line.buffers > 1 else ""

@@ -23,6 +23,7 @@ pytest.importorskip("maxtext", reason="MaxText is not installed: pip install -e 
 
 import shardlint  # noqa: E402
 from shardlint.analyzer._compile import mesh_of  # noqa: E402
+from shardlint.analyzer._peak import peak_lines  # noqa: E402
 from shardlint.integrations import maxtext  # noqa: E402
 from shardlint.rewrites._rewrite import random_like  # noqa: E402
 
@@ -80,10 +81,26 @@ def _moe_findings(analysis):
     return [f for f in analysis.findings if f.source and f.source.file.endswith("maxtext/layers/moe.py")]
 
 
-def test_per_shard_capacity_keeps_temp_memory_at_context_1s(context_1, context_4):
+def _moe_bytes_at_peak(analysis) -> int:
+    """Temp at XLA's peak that moe.py's lines made."""
+    return sum(line.bytes for line in peak_lines(analysis.memory.peak_buffers)
+               if line.source and line.source.file.endswith("maxtext/layers/moe.py"))
+
+
+def test_per_shard_capacity_keeps_the_moes_memory_at_context_1s(context_1, context_4):
     _, _, before, fixed, after = context_4
     assert fixed.changed is True
     assert _moe_findings(before) and _moe_findings(after) == []
+    held = [_moe_bytes_at_peak(a) for a in (context_1, before, after)]
+    assert held[1] > 1.15 * held[0] and held[2] <= 1.15 * held[0], held
+
+
+@pytest.mark.xfail(jax.__version_info__ < (0, 12), strict=True,
+                   reason="JAX 0.11's XLA:CPU holds dot-product attention's scores twice at context 4 "
+                          "(attention_op.py:2918, 8 MiB at the peak against 4 MiB at context 1): the "
+                          "attention's memory, not the MoE's")
+def test_per_shard_capacity_keeps_temp_memory_at_context_1s(context_1, context_4):
+    _, _, before, _, after = context_4
     assert before.memory.temp_bytes > 1.15 * context_1.memory.temp_bytes
     assert after.memory.temp_bytes <= 1.15 * context_1.memory.temp_bytes, (
         context_1.memory.temp_bytes, before.memory.temp_bytes, after.memory.temp_bytes)
