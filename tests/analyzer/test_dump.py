@@ -158,30 +158,45 @@ def test_the_cases_cover_what_the_dump_must_carry(pairs):
 
 
 # The routed layers of signature_steps, each in the signature that looks most like a
-# parameter list (`step(x, *weights)`) and FSDP also with its parameters last.
+# parameter list (`step(x, *weights)`) and FSDP also with its parameters last. A routed
+# layer and FSDP in both signatures run by default; the other routed layers with -m slow
+# (twelve dumps, a full one each, cost CI's time limit a minute and a half per environment).
 SIGNATURE_CASES = {f"{layer} {sig}": (f"signature_steps.{layer}.{sig}", {"data": 2, "context": 4})
                    for layer, sig in [("scatter_keep_sharded", "x_then_weights"),
+                                      ("fsdp_weights", "x_then_weights"),
+                                      ("fsdp_weights", "batch_then_params"),
                                       ("capacity_cumsum", "x_then_weights"),
                                       ("flatten_ragged_dot", "x_then_weights"),
-                                      ("scan_remat", "x_then_weights"),
-                                      ("fsdp_weights", "x_then_weights"),
-                                      ("fsdp_weights", "batch_then_params")]}
+                                      ("scan_remat", "x_then_weights")]}
+_SLOW_SIGNATURE_CASES = list(SIGNATURE_CASES)[3:]
+
+
+def _minimal_and_full(root, cases: dict) -> dict:
+    return {kind: write_dumps(root / kind, cases, flags) for kind, flags in (("minimal", ""), ("full", FULL_FLAGS))}
 
 
 @pytest.fixture(scope="module")
 def minimal_and_full_dumps(tmp_path_factory):
-    root = tmp_path_factory.mktemp("signature_dumps")
-    return {kind: write_dumps(root / kind, SIGNATURE_CASES, flags)
-            for kind, flags in (("minimal", ""), ("full", FULL_FLAGS))}
+    cases = {k: v for k, v in SIGNATURE_CASES.items() if k not in _SLOW_SIGNATURE_CASES}
+    return _minimal_and_full(tmp_path_factory.mktemp("signature_dumps"), cases)
 
 
-@pytest.mark.parametrize("case", list(SIGNATURE_CASES))
-def test_a_minimal_dump_tells_weights_from_activations_as_a_full_one(minimal_and_full_dumps, case):
+@pytest.fixture(scope="module")
+def slow_minimal_and_full_dumps(tmp_path_factory):
+    cases = {k: SIGNATURE_CASES[k] for k in _SLOW_SIGNATURE_CASES}
+    return _minimal_and_full(tmp_path_factory.mktemp("slow_signature_dumps"), cases)
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c in _SLOW_SIGNATURE_CASES else c
+                                  for c in SIGNATURE_CASES])
+def test_a_minimal_dump_tells_weights_from_activations_as_a_full_one(case, request):
     """A dump written with `--xla_dump_to` alone (no propagation pass, the HLO as protos
     and text by default) gives every collective the cause the full dump and the live
     analysis give: which arguments are weights is read from the partitioned program."""
-    minimal = analyze_dump(str(minimal_and_full_dumps["minimal"][case]))
-    full = analyze_dump(str(minimal_and_full_dumps["full"][case]))
+    dumps = request.getfixturevalue("slow_minimal_and_full_dumps" if case in _SLOW_SIGNATURE_CASES
+                                    else "minimal_and_full_dumps")
+    minimal = analyze_dump(str(dumps["minimal"][case]))
+    full = analyze_dump(str(dumps["full"][case]))
     live = live_analysis(*SIGNATURE_CASES[case])
     verdicts = [[(c.kind, c.axes, c.shape, c.cause) for c in a.collectives] for a in (minimal, full, live)]
     assert verdicts[0] == verdicts[1] == verdicts[2]

@@ -37,7 +37,9 @@ def _key(c) -> tuple:
     return (c.kind, c.axes, c.shape, c.needed_by, str(c.source))
 
 
-@pytest.fixture(scope="module", params=list(MESHES))
+# data=4 x context=2 with -m slow (CI's time limit): fifteen more analyses per environment.
+@pytest.fixture(scope="module", params=[pytest.param(m, marks=pytest.mark.slow) if m == "4x2" else m
+                                        for m in MESHES])
 def analyses(request):
     """{layer: {signature: Analysis}} on one mesh."""
     mesh = _mesh(MESHES[request.param])
