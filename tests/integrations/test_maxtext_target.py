@@ -76,9 +76,10 @@ DENSE = {"layers": dict(scan_layers=False), "scan_layers": dict(scan_layers=True
          "scan_layers, remat none": dict(scan_layers=True, remat_policy="none")}
 
 
-# "minimal" sits between MaxText's default and "none" in what the backward saves: slow (CI's
-# time limit), run with -m slow.
-_SLOW_DENSE = {"scan_layers, remat minimal"}
+# "minimal" sits between MaxText's default and "none" in what the backward saves, and "none"
+# runs rewritten in tests/integrations/test_maxtext_capacity.py: both with -m slow (CI's
+# time limit).
+_SLOW_DENSE = {"scan_layers, remat minimal", "scan_layers, remat none"}
 
 
 @pytest.fixture(scope="module", ids=list(DENSE), params=[
