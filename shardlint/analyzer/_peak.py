@@ -168,7 +168,6 @@ class PeakLine:
     where: tuple                 # (the user's line, role)
     source: Source | None        # the user's line (past helpers shared by several callers)
     via: Source | None           # the innermost frame, where a helper stands between
-    name: str                    # XLA's op name where no source line is known (an argument's: `x_BSD`)
     op: str                      # the op of its largest buffer
     role: str
     bytes: int
@@ -178,6 +177,12 @@ class PeakLine:
     backward: bool               # the largest buffer's
     collective: str = ""         # the first collective behind any of them, and its cause
     cause: str = ""
+
+    @property
+    def name(self) -> str:
+        """XLA's op name for the values where no source line made them (JAX names a copy of an
+        argument after it: `x_BSD`): such lines are grouped by it."""
+        return "" if self.source else self.where[0]
 
 
 def unsourced(line) -> str:
@@ -205,7 +210,7 @@ def peak_lines(buffers: tuple[PeakBuffer, ...], role: str | None = "temp",
         behind = next((b for b in members if b.collective), None)
         user = users[where]
         lines.append(PeakLine(where=where, source=user, via=top.source if top.source != user else None,
-                              name="" if user else top.op_path, op=top.op, role=top.role, bytes=sum(b.bytes for b in members),
+                              op=top.op, role=top.role, bytes=sum(b.bytes for b in members),
                               free=sum(b.bytes for b in members if not b.alive), buffers=len(members),
                               shape=top.shape, backward=top.backward,
                               collective=behind.collective if behind else "",

@@ -77,14 +77,17 @@ def context_4(layers):
     return fn, args, before, fixed, shardlint.analyze(fixed, *args)
 
 
+def _in_moe(source) -> bool:
+    return source is not None and source.file.endswith("maxtext/layers/moe.py")
+
+
 def _moe_findings(analysis):
-    return [f for f in analysis.findings if f.source and f.source.file.endswith("maxtext/layers/moe.py")]
+    return [f for f in analysis.findings if _in_moe(f.source)]
 
 
 def _moe_bytes_at_peak(analysis) -> int:
     """Temp at XLA's peak that moe.py's lines made."""
-    return sum(line.bytes for line in peak_lines(analysis.memory.peak_buffers)
-               if line.source and line.source.file.endswith("maxtext/layers/moe.py"))
+    return sum(line.bytes for line in peak_lines(analysis.memory.peak_buffers) if _in_moe(line.source))
 
 
 def test_per_shard_capacity_keeps_the_moes_memory_at_context_1s(context_1, context_4):
