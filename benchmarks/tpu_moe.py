@@ -275,7 +275,9 @@ class Bench:
 
     # ---- training steps ----
 
-    def step_row(self, row: str, path: str, row_tile: int | None = None) -> dict[str, Any]:
+    def step_program(self, row: str, path: str, row_tile: int | None = None):
+        """The compiled training step of `row` on `path`, its arguments, the FLOPs counted
+        for MFU and its compile seconds."""
         a = self.args
         E, K = {"RoutedMoE E=8 top-2": (8, 2), "RoutedMoE E=128 top-8": (128, 8)}.get(
             row, (a.experts, a.top_k))
@@ -293,16 +295,19 @@ class Bench:
         else:
             layer = moe.RoutedMoE(cfg)
         _, params, x_BSD = self.data(E, K, init=layer.init)
-        before = (self.dev.memory_stats() or {}).get("peak_bytes_in_use", 0)
 
         def loss(p, x):
             with self.kernel(dict(PATHS)[path], row_tile):
                 return jnp.mean(jnp.square(layer(p, x).astype(jnp.float32)))
         t0 = time.perf_counter()
         compiled = jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).lower(params, x_BSD).compile()
-        compile_s = time.perf_counter() - t0
+        return compiled, (params, x_BSD), flops, time.perf_counter() - t0
+
+    def step_row(self, row: str, path: str, row_tile: int | None = None) -> dict[str, Any]:
+        before = (self.dev.memory_stats() or {}).get("peak_bytes_in_use", 0)
+        compiled, args, flops, compile_s = self.step_program(row, path, row_tile)
         ma = compiled.memory_analysis()
-        s = median_s(compiled, params, x_BSD, repeats=a.repeats)
+        s = median_s(compiled, *args, repeats=self.args.repeats)
         chip_peak = (self.dev.memory_stats() or {}).get("peak_bytes_in_use", 0)
         if row_tile:
             row = f"{row} tm={row_tile}"

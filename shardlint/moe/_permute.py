@@ -11,13 +11,15 @@ each padded slot (`src_P`, the inverse) are all the later steps need.
 `permute_rows` moves rows by those indices with gathers only, in both directions: the
 transpose of a gather is a scatter-add, slow on a TPU and serial over repeated indices;
 here the backward pass is the gather by the inverse indices (a row that feeds K slots
-sums the K gathered rows). Indices out of range read zeros.
+sums the K gathered rows). Indices out of range read zeros. Rows are gathered in their
+own dtype; the float32 sums and the masks of out-of-range indices come after.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -86,7 +88,23 @@ def permute_rows(x_ND: jax.Array, idx_P: jax.Array, inverse_NR: jax.Array) -> ja
     """out[p] = x_ND[idx_P[p]] (zero where idx_P[p] is out of range). `inverse_NR[n]`
     lists the slots that read row n (out of range: none), so that the gradient is
     dx[n] = sum over r of g[inverse_NR[n, r]]."""
-    return _take(x_ND, idx_P)
+    return _take_or_zero(x_ND, idx_P)
+
+
+def _rows(x: jax.Array, idx: jax.Array) -> jax.Array:
+    """x[idx] along the first axis, idx clamped into range (callers mask what it read
+    for an index out of range in the float32 math that follows)."""
+    return jnp.take(x, idx, axis=0, mode="clip")
+
+
+def _take_or_zero(x_ND: jax.Array, idx: jax.Array) -> jax.Array:
+    """x_ND[idx] with zero rows where idx is out of range: a gather from x_ND and one zero
+    row. `jnp.take(mode="fill")` masks the gathered rows instead, a pass over all of them
+    (1.02 ms of RoutedMoE's step on a v5e, `benchmarks/tpu_moe_profile.py`); the copy of
+    x_ND with one more row costs a tenth of that."""
+    N = x_ND.shape[0]
+    x_ext = jnp.concatenate([x_ND, jnp.zeros((1, *x_ND.shape[1:]), x_ND.dtype)])
+    return _rows(x_ext, jnp.where((idx >= 0) & (idx < N), idx, N))
 
 
 def _take(x: jax.Array, idx: jax.Array) -> jax.Array:
@@ -94,17 +112,19 @@ def _take(x: jax.Array, idx: jax.Array) -> jax.Array:
 
 
 def _permute_rows_fwd(x_ND, idx_P, inverse_NR):
-    return _take(x_ND, idx_P), (idx_P, inverse_NR)
+    return _take_or_zero(x_ND, idx_P), (idx_P, inverse_NR)
 
 
 def _permute_rows_bwd(residuals, g_PD):
     idx_P, inverse_NR = residuals
     N, R = inverse_NR.shape
-    gathered = _take(g_PD, inverse_NR.reshape(N * R))
+    valid_NR = (inverse_NR >= 0) & (inverse_NR < g_PD.shape[0])
+    g_NRD = _rows(g_PD, inverse_NR.reshape(N * R)).reshape(N, R, -1)
     if R > 1:
-        gathered = jnp.sum(gathered.reshape(N, R, -1).astype(jnp.float32), axis=1)
-    dx_ND = gathered.astype(g_PD.dtype)
-    return (dx_ND, np.zeros(idx_P.shape, jax.dtypes.float0),
+        dx_ND = jnp.sum(jnp.where(valid_NR[..., None], g_NRD.astype(jnp.float32), 0), axis=1)
+    else:
+        dx_ND = jnp.where(valid_NR, g_NRD[:, 0], 0)
+    return (dx_ND.astype(g_PD.dtype), np.zeros(idx_P.shape, jax.dtypes.float0),
             np.zeros(inverse_NR.shape, jax.dtypes.float0))
 
 
@@ -115,15 +135,21 @@ permute_rows.defvjp(_permute_rows_fwd, _permute_rows_bwd)
 def gather_combine(y_PD: jax.Array, pos_TK: jax.Array, src_P: jax.Array,
                    weights_TK: jax.Array) -> jax.Array:
     """y_TD[t] = sum over k of weights_TK[t, k] * y_PD[pos_TK[t, k]], summed in float32,
-    in y's dtype: the unsort and the combine in one gather. `src_P[p]` is the flat
-    (t * K + k) index of the row in slot p (T * K for padding): the gradient of y_PD is
-    then a gather too, dy[p] = weights[src] * g[src // K]."""
+    in y's dtype (a choice whose pos is out of range adds nothing): the unsort and the
+    combine in one gather. `src_P[p]` is the flat (t * K + k) index of the row in slot p
+    (T * K for padding): the gradients are then gathers too, dy[p] = weights[src] *
+    g[src // K] and dweights[t, k] = s[pos[t, k]] with s[p] = y[p] . g[src[p] // K]: the
+    rows of g gathered once serve both, and y is not gathered again (XLA:TPU gathers rows
+    out of y's P slots 4x slower than out of g's T tokens: 2.25 ms against 0.52 ms for
+    RoutedMoE's step on a v5e, `benchmarks/tpu_moe_profile.py`)."""
     return _combine(y_PD, pos_TK, weights_TK)
 
 
 def _combine(y_PD, pos_TK, weights_TK):
     T, K = pos_TK.shape
-    y_TKD = _take(y_PD, pos_TK.reshape(T * K)).reshape(T, K, -1).astype(jnp.float32)
+    valid_TK = (pos_TK >= 0) & (pos_TK < y_PD.shape[0])
+    y_TKD = _rows(y_PD, pos_TK.reshape(T * K)).reshape(T, K, -1).astype(jnp.float32)
+    y_TKD = jnp.where(valid_TK[..., None], y_TKD, 0)
     return jnp.sum(y_TKD * weights_TK[:, :, None], axis=1).astype(y_PD.dtype)
 
 
@@ -134,11 +160,12 @@ def _gather_combine_fwd(y_PD, pos_TK, src_P, weights_TK):
 def _gather_combine_bwd(residuals, g_TD):
     y_PD, pos_TK, src_P, weights_TK = residuals
     T, K = pos_TK.shape
-    g_TD = g_TD.astype(jnp.float32)
+    valid_P = (src_P >= 0) & (src_P < T * K)
+    g_PD = _rows(g_TD, src_P // K).astype(jnp.float32)
     w_P = _take(weights_TK.reshape(T * K), src_P)
-    dy_PD = (_take(g_TD, src_P // K) * w_P[:, None]).astype(y_PD.dtype)
-    y_TKD = _take(y_PD, pos_TK.reshape(T * K)).reshape(T, K, -1).astype(jnp.float32)
-    dw_TK = jnp.sum(y_TKD * g_TD[:, None, :], axis=-1).astype(weights_TK.dtype)
+    dy_PD = jnp.where(valid_P[:, None], g_PD * w_P[:, None], 0).astype(y_PD.dtype)
+    s_P = jnp.sum(jnp.where(valid_P[:, None], y_PD.astype(jnp.float32) * g_PD, 0), axis=-1)
+    dw_TK = _take(s_P, pos_TK.reshape(T * K)).reshape(T, K).astype(weights_TK.dtype)
     return (dy_PD, np.zeros(pos_TK.shape, jax.dtypes.float0),
             np.zeros(src_P.shape, jax.dtypes.float0), dw_TK)
 
