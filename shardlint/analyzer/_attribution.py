@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from .._vocab import CollectiveKind
 from ._collectives import transform_of
 from ._devices import MeshInfo
 from ._graph import around, dims_of, sharding_of, source_of
@@ -55,7 +56,7 @@ def link(graph, drops: list[Drop], mesh: MeshInfo, collectives) -> dict[str, set
         data = graph.nodes[node]
         src = source_of(graph, node)
         for c in collectives:
-            if (c.kind == "all-gather" and src is not None and c.xla_source is not None
+            if (c.kind == CollectiveKind.ALL_GATHER and src is not None and c.xla_source is not None
                     and (c.xla_source.file, c.xla_source.line) == (src.file, src.line)
                     and c.xla_op_path == data["op_path"]):
                 links[node].add(c.id)
@@ -63,7 +64,7 @@ def link(graph, drops: list[Drop], mesh: MeshInfo, collectives) -> dict[str, set
     wanted = {d.node: _gathered_shape(graph, d.operand, d.element, d.lost, mesh) for d in drops}
     near = {node: nearby_lines(graph, node) for node in links}
     for c in collectives:
-        if c.kind != "all-gather" or c.id in claimed:
+        if c.kind != CollectiveKind.ALL_GATHER or c.id in claimed:
             continue
         fits = [d.node for d in drops if set(c.axes) & set(d.lost) and c.shape == wanted[d.node]
                 and _labelled_near(c, near[d.node])]

@@ -26,6 +26,7 @@ import dataclasses
 import re
 
 from .._errors import AnalysisError
+from .._vocab import BufferRole
 from ._model import Memory
 
 _ALLOCATION_RE = re.compile(r"allocation (\d+): size (\d+)(?:, (.*))?:\s*$")
@@ -52,18 +53,18 @@ class Allocation:
     slots: tuple[Slot, ...]
 
     @property
-    def role(self) -> str:
+    def role(self) -> BufferRole:
         """argument, output, temp, constant or other (thread-local scratch, another memory
         space)."""
         if "color" in self.flags:
             return "other"
         if "parameter" in self.flags:
-            return "argument"
+            return BufferRole.ARGUMENT
         if "maybe-live-out" in self.flags:
-            return "output"
+            return BufferRole.OUTPUT
         if "preallocated-temp" in self.flags:
-            return "temp"
-        return "constant" if "constant" in self.flags else "other"
+            return BufferRole.TEMP
+        return BufferRole.CONSTANT if "constant" in self.flags else BufferRole.OTHER
 
 
 def parse_buffer_assignment(text: str, where: str = "the buffer assignment") -> tuple[Allocation, ...]:

@@ -33,19 +33,19 @@ import dataclasses
 
 import networkx as nx
 
+from .._vocab import Cause, CollectiveKind, FindingKind
 from ._collectives import primitive_of
 from ._dataflow import Provenance
 from ._detect import describe, neighbourhood
 from ._graph import dims_of, sharding_of, source_of, stack_key, user_stack_of
 from ._hlo import HloModule
 from ._patterns import NEEDS_WHOLE, TOKEN_OPS, feeds_grouped_matmul
-from ._model import (LAYOUT, LOST, REDUCTION, REMATERIALIZED, REQUESTED, RESHARDED, UNSPLIT, WEIGHTS,
-                     Collective, Finding, Requested, Source)
+from ._model import Collective, Finding, Requested, Source
 from ._stablehlo import Asked
 from ._stack import SourceLocation, display_path, user_stack
 from ._xla_log import Remat
 
-_REDUCTIONS = {"all-reduce", "reduce-scatter"}
+_REDUCTIONS = {CollectiveKind.ALL_REDUCE, CollectiveKind.REDUCE_SCATTER}
 # JAX collectives a user writes inside shard_map, as XLA labels them.
 _WRITTEN = {"all_gather", "all_gather_invariant", "all_to_all", "ragged_all_to_all", "ppermute",
             "psum", "pmax", "pmin", "psum_scatter", "reduce_scatter", "pbroadcast", "pgather"}
@@ -107,21 +107,21 @@ def with_gathered_tokens(flow: Provenance, collectives: tuple[Collective, ...]) 
 
 def _cause(c: Collective, weight: bool, own: tuple, dropped_by, asks) -> tuple[str, _Ask | None]:
     if c.kind in _REDUCTIONS:
-        return REDUCTION, None
+        return Cause.REDUCTION, None
     if c.id in dropped_by:
-        return LOST, None   # XLA's propagation dropped the axis of what it moves: tokens
+        return Cause.LOST, None   # XLA's propagation dropped the axis of what it moves: tokens
     if weight:
-        return WEIGHTS, None
-    asked_kind = REQUESTED if c.kind == "all-gather" else LAYOUT
+        return Cause.WEIGHTS, None
+    asked_kind = Cause.REQUESTED if c.kind == CollectiveKind.ALL_GATHER else Cause.LAYOUT
     if primitive_of(c.xla_op_path) in _WRITTEN:
         return asked_kind, None
     consumer = stack_key(c.stack)
     for ask in asks:
         if set(c.axes) & set(ask.requested.axes) and (own in ask.stacks or consumer in ask.stacks):
             return asked_kind, ask
-    if c.kind == "collective-permute":
-        return LAYOUT, None
-    return LOST, None
+    if c.kind == CollectiveKind.COLLECTIVE_PERMUTE:
+        return Cause.LAYOUT, None
+    return Cause.LOST, None
 
 
 def _stack_index(graph: nx.DiGraph) -> dict[tuple, list[str]]:
@@ -189,7 +189,7 @@ def _partitioner_findings(collectives, dropped_by, graph, stacks) -> list[Findin
     propagation drop explains: grouped by the op XLA labelled them with."""
     groups: dict[tuple, list[Collective]] = {}
     for c in collectives:
-        if c.cause == LOST and c.id not in dropped_by:
+        if c.cause == Cause.LOST and c.id not in dropped_by:
             groups.setdefault((c.needed_by, stack_key(c.stack)), []).append(c)
     findings = []
     for (op, key), members in groups.items():
@@ -246,8 +246,8 @@ def _finding(op: str, op_path: str, members: list[Collective], graph, node) -> F
     differ = {sharding_of(graph, *pe).dims for pe in sharded}
     operands: tuple[str, ...] = ()
     could_run_sharded = op not in NEEDS_WHOLE and op != first.kind   # the kind: no op known
-    if could_run_sharded and (len(differ) > 1 or all(c.kind == "all-to-all" for c in members)):
-        kind, way_out = RESHARDED, _RESHARDED_WAY_OUT.format(op=op, axes=over)
+    if could_run_sharded and (len(differ) > 1 or all(c.kind == CollectiveKind.ALL_TO_ALL for c in members)):
+        kind, way_out = FindingKind.RESHARDED, _RESHARDED_WAY_OUT.format(op=op, axes=over)
         if len(differ) > 1:
             operands = tuple(dict.fromkeys(describe(graph, *pe) for pe in sharded))
             message = (f"{op}'s operands ({'; '.join(operands)}) are sharded differently: XLA's "
@@ -256,7 +256,7 @@ def _finding(op: str, op_path: str, members: list[Collective], graph, node) -> F
             message = (f"XLA's partitioner moves {moved} over {over} from one sharding to another "
                        f"to compute {op} (all-to-all)")
     else:
-        kind, way_out = UNSPLIT, _UNSPLITTABLE_WAY_OUT.format(op=op, axes=over)
+        kind, way_out = FindingKind.UNSPLIT, _UNSPLITTABLE_WAY_OUT.format(op=op, axes=over)
         message = (f"{op} needs its operands whole along a dimension sharded over {over}: "
                    f"XLA's partitioner gathers {moved} for it")
     return Finding(
@@ -266,7 +266,7 @@ def _finding(op: str, op_path: str, members: list[Collective], graph, node) -> F
         operand_shape=operand, result_shape=result, collectives=tuple(c.id for c in members),
         bytes=nbytes, message=message, way_out=way_out,
         neighbourhood=neighbourhood(graph, node) if node is not None else None,
-        operand_spec=spec, operand_dims=dims, operand_shapes=operands, cause=LOST, needed_by=op,
+        operand_spec=spec, operand_dims=dims, operand_shapes=operands, cause=Cause.LOST, needed_by=op,
         stack=stack)
 
 
@@ -284,7 +284,7 @@ def _remat_findings(remats: tuple[Remat, ...], graph) -> list[Finding]:
         stack = tuple(user_stack_of(data["instr"], as_sources=True)) if data else ()
         op = data["opcode"] if data else "op"
         found.append(Finding(
-            kind=REMATERIALIZED, op=op, axes=(), feeds_grouped_matmul=False,
+            kind=FindingKind.REMATERIALIZED, op=op, axes=(), feeds_grouped_matmul=False,
             source=stack[0] if stack else (source_of(graph, node) if node else None),
             op_path=data["op_path"] if data else remat.instruction,
             operand_shape=remat.source_sharding, result_shape=remat.target_sharding,
@@ -296,7 +296,7 @@ def _remat_findings(remats: tuple[Remat, ...], graph) -> list[Finding]:
                      "(shard the same dimensions in the same order), or reshape so the "
                      "sharded dimension stays a dimension of its own"),
             neighbourhood=neighbourhood(graph, node) if node is not None else None,
-            cause=LOST, needed_by=op, stack=stack))
+            cause=Cause.LOST, needed_by=op, stack=stack))
     return found
 
 

@@ -20,20 +20,18 @@ known trip counts of the loops around it (None when XLA does not know one).
 
 from __future__ import annotations
 
+from .._vocab import COLLECTIVE_KINDS, CollectiveKind
 from ._devices import MeshInfo, axes_of_groups, axes_of_pairs, parse_replica_groups, replica_group_axes
 from ._hlo import ArrayType, HloModule, Instruction
 from ._model import Collective, Source
 from ._patterns import NEEDS_WHOLE
 from ._stack import display_path, user_stack
 
-KINDS = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute",
-         "ragged-all-to-all", "collective-broadcast")
-
-
 _PASS_THROUGH = {"get-tuple-element", "bitcast", "copy", "tuple", "reshape", "transpose",
                  "all-gather-done", "all-to-all-done", "collective-permute-done", "async-done",
                  "copy-start", "copy-done", "convert"}
-_READ_BY_CONSUMER = {"all-gather", "all-to-all", "ragged-all-to-all", "collective-broadcast"}
+_READ_BY_CONSUMER = {CollectiveKind.ALL_GATHER, CollectiveKind.ALL_TO_ALL, CollectiveKind.RAGGED_ALL_TO_ALL,
+                     CollectiveKind.COLLECTIVE_BROADCAST}
 
 
 def collectives_of(module: HloModule, mesh: MeshInfo) -> tuple[Collective, ...]:
@@ -199,18 +197,18 @@ def _needs_whole(instr: Instruction) -> bool:
     return primitive_of(instr.op_name) in NEEDS_WHOLE and instr.opcode not in _PASS_THROUGH
 
 
-def _kind(opcode: str) -> tuple[str | None, bool]:
+def _kind(opcode: str) -> tuple[CollectiveKind | None, bool]:
     if opcode.endswith("-done"):
         return None, False
     base = opcode[: -len("-start")] if opcode.endswith("-start") else opcode
-    return (base, opcode != base) if base in KINDS else (None, False)
+    return (CollectiveKind(base), opcode != base) if base in COLLECTIVE_KINDS else (None, False)
 
 
-def _collective(instr: Instruction, kind: str, is_async: bool, mesh: MeshInfo,
+def _collective(instr: Instruction, kind: CollectiveKind, is_async: bool, mesh: MeshInfo,
                 in_loop: bool, consumer: Instruction | None, trips: int | None) -> Collective:
     outputs = _outputs(instr, kind, is_async)
     result_bytes = sum(a.nbytes for a in outputs)
-    if kind == "collective-permute":
+    if kind == CollectiveKind.COLLECTIVE_PERMUTE:
         axes = axes_of_pairs(mesh, instr.source_target_pairs)
         group = 2
     else:
@@ -247,27 +245,27 @@ def _source(src) -> Source | None:
     return Source(display_path(src.file), src.line, src.function) if src else None
 
 
-def _outputs(instr: Instruction, kind: str, is_async: bool) -> tuple[ArrayType, ...]:
+def _outputs(instr: Instruction, kind: CollectiveKind, is_async: bool) -> tuple[ArrayType, ...]:
     """The arrays a collective produces, without the operand copies `*-start` carries."""
     arrays = tuple(a for a in instr.result if a.dtype != "token")
-    if is_async and instr.is_tuple and kind in ("all-gather", "collective-permute",
-                                                  "all-to-all", "reduce-scatter"):
+    if is_async and instr.is_tuple and kind in (CollectiveKind.ALL_GATHER, CollectiveKind.COLLECTIVE_PERMUTE,
+                                                  CollectiveKind.ALL_TO_ALL, CollectiveKind.REDUCE_SCATTER):
         # `(operands..., outputs..., [contexts])`: keep the outputs.
-        if kind == "collective-permute" and len(arrays) >= 2:
+        if kind == CollectiveKind.COLLECTIVE_PERMUTE and len(arrays) >= 2:
             return (arrays[1],)
         half = len(arrays) // 2
         return arrays[half:] if half else arrays
     return arrays
 
 
-def _moved(kind: str, nbytes: int, n: int) -> int:
+def _moved(kind: CollectiveKind, nbytes: int, n: int) -> int:
     if n <= 1:
         return 0
-    if kind == "all-reduce":
+    if kind == CollectiveKind.ALL_REDUCE:
         return 2 * nbytes * (n - 1) // n
-    if kind == "reduce-scatter":
+    if kind == CollectiveKind.REDUCE_SCATTER:
         return nbytes * (n - 1)  # the result is 1/n of the input
-    if kind in ("collective-permute", "collective-broadcast"):
+    if kind in (CollectiveKind.COLLECTIVE_PERMUTE, CollectiveKind.COLLECTIVE_BROADCAST):
         return nbytes
     return nbytes * (n - 1) // n
 

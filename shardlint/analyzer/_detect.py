@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import networkx as nx
 
+from .._vocab import FindingKind
 from ._devices import MeshInfo, Sharding
 from ._attribution import Drop, attribute, link
 from ._graph import around, dims_of, operand_of, sharding_of, source_of, user_stack_of
@@ -177,7 +178,7 @@ def _finding(graph, node, op, lost, operand, element, feeds, ids, nbytes) -> Fin
     else:
         way_out = (f"{what} needs the whole dimension on every device: compute it per shard "
                    "inside jax.shard_map, or over a dimension that is not sharded")
-    return Finding("lost-sharding", op, lost, feeds, source_of(graph, node), data["op_path"], before, after,
+    return Finding(FindingKind.DROPPED, op, lost, feeds, source_of(graph, node), data["op_path"], before, after,
                    ids, nbytes, message, way_out, neighbourhood(graph, node),
                    sharding_of(graph, operand, element).dims,
                    operand_dims=dims_of(graph, operand, element), needed_by=op,
