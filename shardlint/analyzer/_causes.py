@@ -37,12 +37,12 @@ from .._vocab import Cause, CollectiveKind, FindingKind
 from ._collectives import primitive_of
 from ._dataflow import Provenance
 from ._detect import describe, neighbourhood
-from ._graph import dims_of, sharding_of, source_of, stack_key, user_stack_of
+from ._graph import dims_of, sharding_of, source_of, stack_key
 from ._hlo import HloModule
 from ._patterns import NEEDS_WHOLE, TOKEN_OPS, feeds_grouped_matmul
 from ._model import Collective, Finding, Requested, Source
 from ._stablehlo import Asked
-from ._stack import SourceLocation, display_path, user_stack
+from ._stack import user_sources, user_stack
 from ._xla_log import Remat
 
 _REDUCTIONS = {CollectiveKind.ALL_REDUCE, CollectiveKind.REDUCE_SCATTER}
@@ -81,7 +81,7 @@ def explain(collectives: tuple[Collective, ...], module: HloModule, flow: Proven
     explained, used_asks = [], set()
     for c in collectives:
         instr = by_name.get(c.id)
-        own = stack_key(user_stack_of(instr)) if instr is not None else ()
+        own = stack_key(user_stack(instr.stack)) if instr is not None else ()
         cause, ask = _cause(c, flow.is_weight(c.id), own, dropped_by, asks)
         if ask is not None:
             used_asks.add(ask)
@@ -135,7 +135,7 @@ def _stack_index(graph: nx.DiGraph) -> dict[tuple, list[str]]:
 
 
 def _key_of(data) -> tuple:
-    return stack_key(user_stack_of(data["instr"]))
+    return stack_key(user_stack(data["instr"].stack))
 
 
 def _asks(requested, asked, graph, stacks, mesh_axes) -> list[_Ask]:
@@ -153,7 +153,7 @@ def _asks(requested, asked, graph, stacks, mesh_axes) -> list[_Ask]:
         left_out = tuple(axis for axis, size in mesh_axes.items() if size > 1 and axis not in named)
         if not left_out or a.op == "shard_map":
             continue  # shard_map specs are per input; its gathers are matched by XLA's label
-        stack = tuple(_source(f) for f in user_stack(tuple(SourceLocation(f, n) for f, n in a.stack)))
+        stack = user_sources(tuple(Source(f, n) for f, n in a.stack))
         r = Requested(_ASK_OPS.get(a.op, a.op), left_out, stack[0] if stack else None, a.op,
                       stack, a.dims)
         asks.append(_Ask(r, _nearby(stack_key(stack), graph, stacks), listed_when_used=True))
@@ -161,10 +161,6 @@ def _asks(requested, asked, graph, stacks, mesh_axes) -> list[_Ask]:
 
 
 _ASK_OPS = {"sharding_constraint": "sharding_constraint", "reshard": "reshard"}
-
-
-def _source(frame) -> Source:
-    return Source(display_path(frame.file), frame.line, frame.function)
 
 
 def _nearby(key: tuple, graph, stacks, radius: int = 3) -> frozenset:
@@ -272,7 +268,7 @@ def _finding(op: str, op_path: str, members: list[Collective], graph, node) -> F
 
 def _stack_of(members, graph, node) -> tuple[Source, ...]:
     if node is not None:
-        return tuple(user_stack_of(graph.nodes[node]["instr"], as_sources=True))
+        return user_sources(graph.nodes[node]["instr"].stack)
     return members[0].stack
 
 
@@ -281,7 +277,7 @@ def _remat_findings(remats: tuple[Remat, ...], graph) -> list[Finding]:
     for remat in remats:
         node = _remat_node(remat, graph)
         data = graph.nodes[node] if node is not None else None
-        stack = tuple(user_stack_of(data["instr"], as_sources=True)) if data else ()
+        stack = user_sources(data["instr"].stack) if data else ()
         op = data["opcode"] if data else "op"
         found.append(Finding(
             kind=FindingKind.REMATERIALIZED, op=op, axes=(), feeds_grouped_matmul=False,

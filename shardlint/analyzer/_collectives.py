@@ -25,7 +25,7 @@ from ._devices import MeshInfo, axes_of_groups, axes_of_pairs, parse_replica_gro
 from ._hlo import ArrayType, HloModule, Instruction
 from ._model import Collective, Source
 from ._patterns import NEEDS_WHOLE
-from ._stack import display_path, user_stack
+from ._stack import shown, user_stack
 
 _PASS_THROUGH = {"get-tuple-element", "bitcast", "copy", "tuple", "reshape", "transpose",
                  "all-gather-done", "all-to-all-done", "collective-permute-done", "async-done",
@@ -241,8 +241,8 @@ def _collective(instr: Instruction, kind: CollectiveKind, is_async: bool, mesh: 
     )
 
 
-def _source(src) -> Source | None:
-    return Source(display_path(src.file), src.line, src.function) if src else None
+def _source(src: Source | None) -> Source | None:
+    return shown(src) if src else None
 
 
 def _outputs(instr: Instruction, kind: CollectiveKind, is_async: bool) -> tuple[ArrayType, ...]:

@@ -18,7 +18,8 @@ import networkx as nx
 from .._vocab import FindingKind
 from ._devices import MeshInfo, Sharding
 from ._attribution import Drop, attribute, link
-from ._graph import around, dims_of, operand_of, sharding_of, source_of, user_stack_of
+from ._graph import around, dims_of, operand_of, sharding_of, source_of
+from ._stack import user_sources
 from ._model import Collective, Finding, GraphNode, Neighbourhood, Requested
 from ._patterns import feeds_grouped_matmul
 
@@ -44,7 +45,7 @@ def find_lost_sharding(graph: nx.DiGraph, mesh: MeshInfo, collectives: tuple[Col
         lost, operand, element = hit
         if op == "sharding_constraint" or _constrained(graph, node, asked_lines):
             requested.append(Requested(op, lost, source_of(graph, node), data["op_path"],
-                                       user_stack_of(data["instr"], as_sources=True),
+                                       user_sources(data["instr"].stack),
                                        sharding_of(graph, node).dims))
             continue
         raw.append(Drop(node, op, lost, operand, element))
@@ -182,7 +183,7 @@ def _finding(graph, node, op, lost, operand, element, feeds, ids, nbytes) -> Fin
                    ids, nbytes, message, way_out, neighbourhood(graph, node),
                    sharding_of(graph, operand, element).dims,
                    operand_dims=dims_of(graph, operand, element), needed_by=op,
-                   stack=user_stack_of(data["instr"], as_sources=True))
+                   stack=user_sources(data["instr"].stack))
 
 
 def neighbourhood(graph, node, radius: int = 2, limit: int = 14) -> Neighbourhood:

@@ -13,7 +13,7 @@ import networkx as nx
 from ._devices import MeshInfo, Sharding, parse_tuple_sharding
 from ._hlo import HloModule, Instruction
 from ._model import Source
-from ._stack import display_path, user_stack
+from ._stack import display_path, shown, user_sources
 
 
 def build_graph(module: HloModule, mesh: MeshInfo,
@@ -76,24 +76,15 @@ def dims_of(graph: nx.DiGraph, node: str, element: int = 0) -> tuple[int, ...]:
 
 def source_of(graph: nx.DiGraph, node: str) -> Source | None:
     """The innermost of the op's user frames (its own frame when all are library frames)."""
-    stack = user_stack_of(graph.nodes[node]["instr"], as_sources=True)
+    stack = user_sources(graph.nodes[node]["instr"].stack)
     if stack:
         return stack[0]
     src = graph.nodes[node]["source"]
-    return Source(display_path(src.file), src.line, src.function) if src else None
-
-
-def user_stack_of(instr: Instruction, as_sources: bool = False) -> tuple:
-    """The instruction's stack without library frames, innermost first; as `Source`s with
-    display paths when `as_sources`."""
-    frames = user_stack(instr.stack)
-    if not as_sources:
-        return frames
-    return tuple(Source(display_path(f.file), f.line, f.function) for f in frames)
+    return shown(src) if src else None
 
 
 def stack_key(stack) -> tuple[tuple[str, int], ...]:
-    """A stack as comparable (display path, line) pairs, whatever record type holds it."""
+    """A stack as comparable (display path, line) pairs, its frames raw or `shown`."""
     return tuple((display_path(f.file), f.line) for f in stack)
 
 

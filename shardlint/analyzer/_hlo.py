@@ -54,7 +54,8 @@ from ._hlo_text import (
     _window,
     _x_ints,
 )
-from ._stack import _TABLES, SourceLocation, _unquote, parse_stack_frames
+from ._model import Source
+from ._stack import _TABLES, _unquote, parse_stack_frames
 
 _DTYPE_BYTES = {
     "pred": 1, "s2": 1, "u2": 1, "s4": 1, "u4": 1, "s8": 1, "u8": 1,
@@ -158,8 +159,8 @@ class Instruction:
     attrs: dict[str, str]            # raw attribute text; read it through the typed views
     computation: str
     is_root: bool = False
-    source: SourceLocation | None = None       # the innermost frame of `stack`
-    stack: tuple[SourceLocation, ...] = ()     # innermost frame first, to the root
+    source: Source | None = None               # the innermost frame of `stack`
+    stack: tuple[Source, ...] = ()             # innermost frame first, to the root
     operand_text: str = ""                     # inside the parentheses: `0` of `parameter(0)`
     # Newer XLA (JAX 0.12's propagated dump) names a tuple element inline, `%while.1#1`,
     # instead of a get-tuple-element: the element index per operand, None where absent.
@@ -523,7 +524,7 @@ def _result_type(text: str) -> tuple[ArrayType, ...]:
     return tuple(ArrayType(dt, _dims(d)) for dt, d in _ARRAY_RE.findall(text))
 
 
-def _stack_of(metadata: str, frames) -> tuple[SourceLocation, ...]:
+def _stack_of(metadata: str, frames) -> tuple[Source, ...]:
     # Older XLA prints source_file/source_line inline (one frame); newer XLA names a frame.
     fields = _metadata_fields(metadata)
     frame = _metadata_int(fields, "stack_frame_id")
@@ -531,7 +532,7 @@ def _stack_of(metadata: str, frames) -> tuple[SourceLocation, ...]:
         return frames[frame]
     line = _metadata_int(fields, "source_line")
     if fields.get("source_file") and line is not None:
-        return (SourceLocation(fields["source_file"], line),)
+        return (Source(fields["source_file"], line),)
     return ()
 
 

@@ -29,7 +29,7 @@ from ._frames import shown_frames
 from ._hlo import HloModule, Instruction
 from ._live_range import LiveRanges
 from ._model import Collective, PeakBuffer, Source
-from ._stack import display_path, user_stack
+from ._stack import user_sources
 
 _ROLES = (BufferRole.TEMP, BufferRole.ARGUMENT, BufferRole.OUTPUT, BufferRole.CONSTANT)
 # The ops of temp no buffer holds: what the executable counts beyond its buffer assignment,
@@ -112,8 +112,7 @@ def _paint(painted: list[tuple[int, int]], start: int, end: int) -> int:
 def _buffer(slot: Slot, nbytes: int, role: BufferRole, live: LiveRanges, by_name, by_id) -> PeakBuffer:
     instr = by_name.get(slot.value.split("{", 1)[0])
     op_path = instr.op_name if instr is not None else ""
-    frames = user_stack(instr.stack) if instr is not None else ()
-    stack = tuple(Source(display_path(f.file), f.line, f.function) for f in frames)
+    stack = user_sources(instr.stack) if instr is not None else ()
     collective = _collective_behind(instr, by_name, by_id) if instr is not None else None
     op = ("parameter" if instr is not None and instr.opcode == "parameter"
           else primitive_of(op_path) or (instr.opcode if instr is not None else ""))
