@@ -19,7 +19,7 @@ from .._vocab import COLLECTIVE_KINDS, ChangeState, CollectiveKind
 from ..analyzer import Analysis, Collective, Finding
 from ._baseline import Baseline, Entry, entry_of, group_by_key
 from .._format import relative_source
-from ._keys import split_key
+from ._keys import CollectiveKey
 
 DEFAULT_KINDS = (CollectiveKind.ALL_GATHER,)
 
@@ -42,11 +42,15 @@ class Change:
         return self.status in (ChangeState.NEW, ChangeState.GROWN)
 
     @property
+    def parts(self) -> CollectiveKey | None:
+        """The key's fields (None for a baseline key of another form)."""
+        return CollectiveKey.parse(self.key)
+
+    @property
     def axes(self) -> tuple[str, ...]:
         if self.collectives:
             return self.collectives[0].axes
-        parts = split_key(self.key)
-        return tuple(parts[1].split(",")) if parts and parts[1] != "-" else ()
+        return self.parts.axes if self.parts else ()
 
     @property
     def function(self) -> str:
@@ -54,8 +58,7 @@ class Change:
         for c in self.collectives:
             if c.source and c.source.function:
                 return c.source.function
-        parts = split_key(self.key)
-        return parts[3].rpartition(":")[2] if parts and parts[3] != "-" else ""
+        return self.parts.function if self.parts else ""
 
     def lines(self, root: str) -> tuple[tuple[str, int], ...]:
         """Distinct (relative file, line) of the current collectives, largest first."""
