@@ -37,7 +37,7 @@ from .._vocab import Cause, CollectiveKind, FindingKind
 from ._collectives import primitive_of
 from ._dataflow import Provenance
 from ._detect import describe, neighbourhood
-from ._graph import dims_of, sharding_of, source_of, stack_key
+from ._graph import dims_of, node_of, sharding_of, source_of, stack_key
 from ._hlo import HloModule
 from ._patterns import NEEDS_WHOLE, TOKEN_OPS, feeds_grouped_matmul
 from ._model import Collective, Finding, Requested, Source
@@ -127,7 +127,7 @@ def _cause(c: Collective, weight: bool, own: tuple, dropped_by, asks) -> tuple[s
 def _stack_index(graph: nx.DiGraph) -> dict[tuple, list[str]]:
     """The propagated ops by their user stack (stack_key)."""
     index: dict[tuple, list[str]] = {}
-    for node, data in graph.nodes(data=True):
+    for node, data in graph.nodes(data="op"):
         key = _key_of(data)
         if key:
             index.setdefault(key, []).append(node)
@@ -135,7 +135,7 @@ def _stack_index(graph: nx.DiGraph) -> dict[tuple, list[str]]:
 
 
 def _key_of(data) -> tuple:
-    return stack_key(user_stack(data["instr"].stack))
+    return stack_key(user_stack(data.instr.stack))
 
 
 def _asks(requested, asked, graph, stacks, mesh_axes) -> list[_Ask]:
@@ -154,8 +154,8 @@ def _asks(requested, asked, graph, stacks, mesh_axes) -> list[_Ask]:
         if not left_out or a.op == "shard_map":
             continue  # shard_map specs are per input; its gathers are matched by XLA's label
         stack = user_sources(tuple(Source(f, n) for f, n in a.stack))
-        r = Requested(_ASK_OPS.get(a.op, a.op), left_out, stack[0] if stack else None, a.op,
-                      stack, a.dims)
+        r = Requested(op=_ASK_OPS.get(a.op, a.op), axes=left_out, source=stack[0] if stack else None,
+                      op_path=a.op, stack=stack, asked=a.dims)
         asks.append(_Ask(r, _nearby(stack_key(stack), graph, stacks), listed_when_used=True))
     return asks
 
@@ -175,7 +175,7 @@ def _nearby(key: tuple, graph, stacks, radius: int = 3) -> frozenset:
     frontier = list(stacks.get(key, ()))
     for _ in range(radius):  # upstream only: ops whose values flow into the ask
         frontier = [p for n in frontier for p in graph.predecessors(n)]
-        found.update(_key_of(graph.nodes[p]) for p in frontier)
+        found.update(_key_of(node_of(graph, p)) for p in frontier)
     found.discard(())
     return frozenset(found)
 
@@ -190,7 +190,7 @@ def _partitioner_findings(collectives, dropped_by, graph, stacks) -> list[Findin
     findings = []
     for (op, key), members in groups.items():
         node = _node_for(graph, stacks, key, op) if graph is not None else None
-        op_path = graph.nodes[node]["op_path"] if node is not None else members[0].op_path
+        op_path = node_of(graph, node).op_path if node is not None else members[0].op_path
         findings.append(_finding(op or members[0].kind, op_path, members, graph, node))
     return findings
 
@@ -204,8 +204,8 @@ def _node_for(graph, stacks, key, op) -> str | None:
     opcode = op.replace("_", "-")
 
     def rank(n):
-        data = graph.nodes[n]
-        return (primitive_of(data["op_path"]) != op, data["opcode"] != opcode, n)
+        data = node_of(graph, n)
+        return (primitive_of(data.op_path) != op, data.opcode != opcode, n)
 
     return min(candidates, key=rank)
 
@@ -268,7 +268,7 @@ def _finding(op: str, op_path: str, members: list[Collective], graph, node) -> F
 
 def _stack_of(members, graph, node) -> tuple[Source, ...]:
     if node is not None:
-        return user_sources(graph.nodes[node]["instr"].stack)
+        return user_sources(node_of(graph, node).instr.stack)
     return members[0].stack
 
 
@@ -276,13 +276,13 @@ def _remat_findings(remats: tuple[Remat, ...], graph) -> list[Finding]:
     found = []
     for remat in remats:
         node = _remat_node(remat, graph)
-        data = graph.nodes[node] if node is not None else None
-        stack = user_sources(data["instr"].stack) if data else ()
-        op = data["opcode"] if data else "op"
+        data = node_of(graph, node) if node is not None else None
+        stack = user_sources(data.instr.stack) if data else ()
+        op = data.opcode if data else "op"
         found.append(Finding(
             kind=FindingKind.REMATERIALIZED, op=op, axes=(), feeds_grouped_matmul=False,
             source=stack[0] if stack else (source_of(graph, node) if node else None),
-            op_path=data["op_path"] if data else remat.instruction,
+            op_path=data.op_path if data else remat.instruction,
             operand_shape=remat.source_sharding, result_shape=remat.target_sharding,
             collectives=(), bytes=0,
             message=(f"XLA's partitioner could not reshard {remat.instruction} from "
@@ -302,5 +302,5 @@ def _remat_node(remat: Remat, graph) -> str | None:
         return None
     if remat.instruction in graph:
         return remat.instruction
-    same = sorted(n for n, d in graph.nodes(data=True) if remat.op_name and d["op_path"] == remat.op_name)
+    same = sorted(n for n, d in graph.nodes(data="op") if remat.op_name and d.op_path == remat.op_name)
     return same[0] if same else None

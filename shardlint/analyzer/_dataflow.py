@@ -68,7 +68,7 @@ def param_bit(number: int) -> int:
     return 1 << (number + 1)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Provenance:
     """Each value's provenance bits (tuple elements merged), which entry parameters may be
     weights, and which of those the program treats as tokens."""

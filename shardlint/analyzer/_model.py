@@ -30,7 +30,7 @@ class Source:
         return f"{self.file}:{self.line}"
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Collective:
     """One collective in the partitioned program, as one device sees it."""
 
@@ -57,7 +57,7 @@ class Collective:
         return self.bytes * (self.trips or 1)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Finding:
     """An op where XLA drops a mesh axis that its operand was sharded over."""
 
@@ -83,7 +83,7 @@ class Finding:
     stack: tuple[Source, ...] = ()
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class GraphNode:
     id: str
     op: str                      # HLO opcode
@@ -92,7 +92,7 @@ class GraphNode:
     focus: bool = False          # the op the finding is about
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Neighbourhood:
     """The ops around a finding in the propagated graph, for drawing."""
 
@@ -100,7 +100,7 @@ class Neighbourhood:
     edges: tuple[tuple[str, str], ...]
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Requested:
     """A resharding the user asked for (sharding constraint, shard_map specs)."""
 
@@ -134,7 +134,7 @@ class PeakBuffer:
     cause: Cause | str = ""      # that collective's cause
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Memory:
     argument_bytes: int
     output_bytes: int
@@ -146,13 +146,19 @@ class Memory:
                                  # a dense dot over every expert)
     peak_buffers: tuple[PeakBuffer, ...] = ()   # largest first; () where XLA wrote no live ranges
 
+    @classmethod
+    def empty(cls, flops: float | None = None) -> Memory:
+        """No sizes known (no memory statistics), no peak; `flops` where a cost analysis came."""
+        return cls(argument_bytes=0, output_bytes=0, temp_bytes=0, alias_bytes=0, peak_bytes=None,
+                   flops=flops)
+
     def temp_accounted(self) -> int:
         """Bytes of temp that the buffers of `peak_buffers` hold (not the padding and the
         runtime's own, which are listed as such)."""
         return sum(b.bytes for b in self.peak_buffers if b.role == BufferRole.TEMP and b.value)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Analysis:
     mesh: dict[str, int]
     memory: Memory
@@ -233,4 +239,4 @@ def _neighbourhood(doc) -> Neighbourhood | None:
         return None
     nodes = tuple(GraphNode(**{**n, "source": Source(**n["source"]) if n["source"] else None})
                   for n in doc["nodes"])
-    return Neighbourhood(nodes, tuple(tuple(e) for e in doc["edges"]))
+    return Neighbourhood(nodes=nodes, edges=tuple(tuple(e) for e in doc["edges"]))

@@ -15,7 +15,7 @@ import collections
 
 import networkx as nx
 
-from ._graph import dims_of, operand_of
+from ._graph import dims_of, node_of, operand_of
 
 GROUPED_MATMUL_PRIMITIVES = ("ragged_dot_general", "ragged_dot", "gmm", "tgmm")
 _GMM_TARGET_WORDS = ("gmm", "ragged", "grouped", "megablox", "tgmm")
@@ -120,7 +120,7 @@ def feeds_grouped_matmul(graph: nx.DiGraph, start: str) -> bool:
             if is_grouped_matmul(graph, user):
                 return True
             out = dims_of(graph, user, 0)
-            if (graph.nodes[user]["opcode"] == "reshape" and len(leading) > 1
+            if (node_of(graph, user).opcode == "reshape" and len(leading) > 1
                     and out[: len(leading) - 1] == leading[: len(leading) - 1]):
                 continue  # reshaped back to (batch, seq, ...): the token region ends here
             queue.append(user)
@@ -135,18 +135,18 @@ def is_grouped_matmul(graph: nx.DiGraph, node: str) -> bool:
     cannot tell from any other dot; the jaxpr can, so `build_graph` marks the dots at the
     source lines of `ragged_dot_general` equations `grouped_matmul`.
     """
-    data = graph.nodes[node]
-    opcode = data["opcode"]
+    data = node_of(graph, node)
+    opcode = data.opcode
     if opcode in ("ragged-dot", "ragged_dot"):
         return True
     if opcode == "custom-call":
-        target = data["instr"].custom_call_target.lower()
+        target = data.instr.custom_call_target.lower()
         return any(w in target for w in _GMM_TARGET_WORDS)
     if opcode != "dot":
         return False
-    if data["grouped_matmul"]:
+    if data.grouped_matmul:
         return True
-    instr = data["instr"]
+    instr = data.instr
     for position, batch_dims in ((0, instr.lhs_batch_dims), (1, instr.rhs_batch_dims)):
         operand = operand_of(graph, node, position)
         if (operand is not None and len(dims_of(graph, *operand)) == 3 and 0 in batch_dims
@@ -157,10 +157,10 @@ def is_grouped_matmul(graph: nx.DiGraph, node: str) -> bool:
 
 def _from_parameter(graph, node, depth: int = 6) -> bool:
     for _ in range(depth):
-        data = graph.nodes[node]
-        if data["opcode"] == "parameter":
+        data = node_of(graph, node)
+        if data.opcode == "parameter":
             return True
-        if data["opcode"] not in _LAYOUT_OPS:
+        if data.opcode not in _LAYOUT_OPS:
             return False
         src = operand_of(graph, node, 0)
         if src is None:

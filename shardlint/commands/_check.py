@@ -66,7 +66,7 @@ def run_check(args, *, analysis_of: Callable, progress: Callable[[str], None],
     except BaselineError:
         previous = None
     written: list[str] = []
-    baseline = record(analysis, BaselineRef(args.baseline, update=True,
+    baseline = record(analysis, BaselineRef(path=args.baseline, update=True,
                                             target=args.target or f"--xla-dump {args.xla_dump}",
                                             on_write=written.append), root)
     what = (f"{len(baseline.entries)} collective key(s) on mesh {mesh_text(baseline.mesh)}, "

@@ -30,7 +30,7 @@ class BaselineError(ShardlintError):
     """The baseline file is missing, unreadable, or not a `shardlint.baseline/2` document."""
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Entry:
     """All collectives of one key: how many there are and the bytes they move per device."""
 
@@ -41,7 +41,7 @@ class Entry:
     bytes: int
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Baseline:
     entries: tuple[Entry, ...]   # sorted by key
     mesh: dict[str, int]

@@ -24,7 +24,7 @@ from ._keys import CollectiveKey
 DEFAULT_KINDS = (CollectiveKind.ALL_GATHER,)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Change:
     status: ChangeState          # new | grown (fail), gone | shrunk (improvement)
     key: str
@@ -71,7 +71,7 @@ class Change:
         return tuple(seen)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class CheckResult:
     baseline_path: str
     root: str
@@ -169,9 +169,11 @@ def _change(key: str, now: Entry | None, then: Entry | None, tolerance: float) -
     if now is None and then is None:
         return None
     if then is None:
-        return Change(ChangeState.NEW, key, now.kind, now.file, now.count, now.bytes, 0, 0)
+        return Change(status=ChangeState.NEW, key=key, kind=now.kind, file=now.file, count=now.count,
+                      bytes=now.bytes, baseline_count=0, baseline_bytes=0)
     if now is None:
-        return Change(ChangeState.GONE, key, then.kind, then.file, 0, 0, then.count, then.bytes)
+        return Change(status=ChangeState.GONE, key=key, kind=then.kind, file=then.file, count=0, bytes=0,
+                      baseline_count=then.count, baseline_bytes=then.bytes)
     allowed = then.bytes + math.floor(then.bytes * tolerance)
     if now.count > then.count or now.bytes > allowed:
         status = ChangeState.GROWN
@@ -179,7 +181,8 @@ def _change(key: str, now: Entry | None, then: Entry | None, tolerance: float) -
         status = ChangeState.SHRUNK
     else:
         return None
-    return Change(status, key, now.kind, now.file, now.count, now.bytes, then.count, then.bytes)
+    return Change(status=status, key=key, kind=now.kind, file=now.file, count=now.count, bytes=now.bytes,
+                  baseline_count=then.count, baseline_bytes=then.bytes)
 
 
 def _findings_by_collective(findings: tuple[Finding, ...]) -> dict[str, list[Finding]]:

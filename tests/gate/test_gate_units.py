@@ -30,7 +30,7 @@ def _collective(id, kind="all-gather", axes=("context",), nbytes=6144, line=53,
 
 
 def _analysis(*collectives, findings=(), mesh=None):
-    return Analysis(mesh=mesh or {"data": 2, "context": 4}, memory=Memory(0, 0, 0, 0, None, None),
+    return Analysis(mesh=mesh or {"data": 2, "context": 4}, memory=Memory.empty(),
                     collectives=tuple(collectives), findings=tuple(findings), requested=(),
                     versions={"jax": "0.10.2"}, partitioner="shardy")
 
