@@ -12,8 +12,8 @@ a custom call), and only the partitioned module shows them. For each collective,
   provenance of its value says (`_dataflow.py`), for an op that may want a weight whole
   (a contraction, an embedding's gather). An argument that the program treats as tokens,
   or that XLA's partitioner gathered for an op that orders or counts tokens (its label on
-  the collective is in `TOKEN_OPS`: sort, top_k, a cumulative sum, a scatter), is an input
-  activation, and so is all that moves it;
+  the collective is in `_ops.TOKEN_PRIMITIVES`: sort, top_k, a cumulative sum, a scatter),
+  is an input activation, and so is all that moves it;
 - `requested` (gathers) or `layout` (all-to-all, permutes): the code wrote the collective
   inside a shard_map, or a constraint / reshard / shard_map spec at that op asked for a
   sharding without the axis. What the constraint asked is read, not assumed: a constraint
@@ -39,7 +39,8 @@ from ._dataflow import Provenance
 from ._detect import describe, neighbourhood
 from ._graph import dims_of, node_of, sharding_of, source_of, stack_key
 from ._hlo import HloModule
-from ._patterns import NEEDS_WHOLE, TOKEN_OPS, feeds_grouped_matmul
+from ._ops import NEEDS_WHOLE, TOKEN_PRIMITIVES
+from ._patterns import feeds_grouped_matmul
 from ._model import Collective, Finding, Requested, Source
 from ._stablehlo import Asked
 from ._stack import user_sources, user_stack
@@ -100,7 +101,7 @@ def with_gathered_tokens(flow: Provenance, collectives: tuple[Collective, ...]) 
     """`flow`, with the arguments XLA's partitioner gathered for an op that orders or counts
     tokens (its own label on the collective) as token inputs."""
     for c in collectives:
-        if primitive_of(c.xla_op_path) in TOKEN_OPS:
+        if primitive_of(c.xla_op_path) in TOKEN_PRIMITIVES:
             flow = flow.with_tokens(flow.moved_weights(flow.of(c.id)))
     return flow
 

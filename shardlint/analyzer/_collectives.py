@@ -24,7 +24,7 @@ from .._vocab import COLLECTIVE_KINDS, CollectiveKind
 from ._devices import MeshInfo, axes_of_groups, axes_of_pairs, parse_replica_groups, replica_group_axes
 from ._hlo import ArrayType, HloModule, Instruction
 from ._model import Collective, Source
-from ._patterns import NEEDS_WHOLE
+from ._ops import NEEDS_WHOLE
 from ._stack import shown, user_stack
 
 _PASS_THROUGH = {"get-tuple-element", "bitcast", "copy", "tuple", "reshape", "transpose",

@@ -30,6 +30,7 @@ import dataclasses
 
 from .._vocab import COLLECTIVE_KINDS
 from ._hlo import HloModule, Instruction
+from ._ops import TOKEN_OPCODES
 
 COMPUTED = 1
 
@@ -47,8 +48,6 @@ MOVES = frozenset({
 _MOVING_TARGETS = frozenset({"Sharding", "SPMDFullToShardShape", "SPMDShardToFullShape",
                              "MoveToHost", "MoveToDevice", "LayoutConstraint",
                              "xla.sdy.ShardingConstraint"})
-# Ops that treat their operand as tokens: nothing sorts, ranks, cumulates or scatters a weight.
-TOKEN_OPCODES = frozenset({"sort", "reduce-window", "scatter"})
 # Ops that read their operand at indices (operand 0; the indices from operand 1 on).
 _INDEXED = frozenset({"gather", "dynamic-slice", "dynamic-update-slice", "scatter"})
 _CONTROL = frozenset({"while", "conditional", "call", "fusion", "async-start"})
