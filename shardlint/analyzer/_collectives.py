@@ -26,6 +26,7 @@ from ._hlo import ArrayType, HloModule, Instruction
 from ._model import Collective, Source
 from ._ops import NEEDS_WHOLE
 from ._stack import shown, user_stack
+from ._trips import executions
 
 _PASS_THROUGH = {"get-tuple-element", "bitcast", "copy", "tuple", "reshape", "transpose",
                  "all-gather-done", "all-to-all-done", "collective-permute-done", "async-done",
@@ -51,26 +52,6 @@ def collectives_of(module: HloModule, mesh: MeshInfo) -> tuple[Collective, ...]:
         found.append(_collective(instr, kind, is_async, mesh, instr.computation in loop_bodies, consumer,
                                  trips.get(instr.computation, 1)))
     return tuple(found)
-
-
-def executions(module: HloModule) -> dict[str, int | None]:
-    """How often each computation runs per step: the product of the known trip counts of
-    the while loops around it (None once one of them is unknown)."""
-    counts: dict[str, int | None] = {module.entry.name: 1}
-    pending = [module.entry.name]
-    while pending:
-        comp = module.computations.get(pending.pop())
-        if comp is None:
-            continue
-        mine = counts[comp.name]
-        for instr in comp.instructions:
-            trip = instr.known_trip_count if instr.opcode == "while" else 1
-            inner = None if mine is None or trip is None else mine * trip
-            for callee in instr.called:
-                if callee not in counts:
-                    counts[callee] = inner
-                    pending.append(callee)
-    return counts
 
 
 def _needed_by(instr: Instruction, consumer: Instruction | None) -> str:
