@@ -74,21 +74,19 @@ def parse_mlir_module(text: str):
 
 
 def set_mesh(mesh):
-    """`jax.set_mesh(mesh)` as a context manager (JAX 0.7+); a no-op context before."""
-    set_mesh_fn = getattr(jax, "set_mesh", None)
-    return set_mesh_fn(mesh) if set_mesh_fn is not None else contextlib.nullcontext()
+    """`jax.set_mesh(mesh)` as a context manager (public since JAX 0.7)."""
+    return jax.set_mesh(mesh)
 
 
 def no_ambient_mesh():
     """Clears a mesh set with `jax.set_mesh` for the duration (`jax.set_mesh` and
-    `jax.sharding.get_abstract_mesh`, JAX 0.7+; only possible outside jit: inside a
-    caller's jit the mesh, if any, is the caller's to keep)."""
-    get = getattr(jax.sharding, "get_abstract_mesh", None)
-    set_mesh_fn = getattr(jax, "set_mesh", None)
-    if get is None or set_mesh_fn is None or get().empty:
+    `jax.sharding.get_abstract_mesh`, public since JAX 0.7); only possible outside jit:
+    inside a caller's jit the mesh, if any, is the caller's to keep (JAX raises
+    ValueError there)."""
+    if jax.sharding.get_abstract_mesh().empty:
         return contextlib.nullcontext()
     try:
-        return set_mesh_fn(None)
+        return jax.set_mesh(None)
     except ValueError:
         return contextlib.nullcontext()
 
@@ -163,20 +161,11 @@ def backends_are_initialized() -> bool:
     return xla_bridge.backends_are_initialized()
 
 
-# --- shard_map (shardlint.moe). JAX 0.7+ spells it `jax.shard_map(..., check_vma=)`;
-# older releases had `jax.experimental.shard_map.shard_map(..., check_rep=)`. -----------
+# --- shard_map (shardlint.moe). ---------------------------------------------------------
 
 def shard_map(f, *, mesh, in_specs, out_specs, checked: bool = True, axis_names=None):
-    """`jax.shard_map` with its replication/varying-ness check on or off, whatever the
-    keyword is called in the installed JAX."""
-    import inspect
-
-    if hasattr(jax, "shard_map"):
-        fn = jax.shard_map
-    else:  # pragma: no cover - JAX before 0.7
-        from jax.experimental.shard_map import shard_map as fn
-    params = inspect.signature(fn).parameters
-    kwargs = {"check_vma" if "check_vma" in params else "check_rep": checked}
-    if axis_names is not None:
-        kwargs["axis_names"] = axis_names
-    return fn(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, **kwargs)
+    """`jax.shard_map` with its varying-ness check (`check_vma`, public since JAX 0.7) on
+    or off; `axis_names` only where given."""
+    kwargs = {} if axis_names is None else {"axis_names": axis_names}
+    return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=checked,
+                         **kwargs)

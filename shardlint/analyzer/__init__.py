@@ -10,8 +10,8 @@ from ._devices import parse_sharding as parse_sharding
 from ._graph import build_graph as build_graph
 from ._hlo import HloModule as HloModule
 from ._hlo import parse_hlo as parse_hlo
-from ._model import CAUSES as CAUSES
-from ._model import FINDING_KINDS as FINDING_KINDS
+from .._vocab import CAUSES as CAUSES
+from .._vocab import FINDING_KINDS as FINDING_KINDS
 from ._model import SCHEMA as SCHEMA
 from ._model import Analysis as Analysis
 from ._model import Collective as Collective

@@ -15,6 +15,7 @@ import jax
 import jaxlib
 
 from .. import _jax
+from .._vocab import ArgumentRole
 from .._errors import AnalysisError, HloParseError
 from ._buffers import memory_of_buffer_assignment, parse_buffer_assignment
 from ._causes import explain, with_gathered_tokens
@@ -73,7 +74,7 @@ def analyze_dump(folder: str, *, module: str | None = None, mesh: dict[str, int]
         dumped=dumped,
         mesh=mesh_of_module(header, dumped.stablehlo, mesh),
         memory=(memory_of_buffer_assignment(dumped.buffer_assignment, f"{dumped.stem}'s buffer assignment")
-                if dumped.buffer_assignment is not None else Memory(0, 0, 0, 0, None, None)),
+                if dumped.buffer_assignment is not None else Memory.empty()),
         partitioner=("shardy" if "xla.sdy.meshes" in header or dumped.propagation_pass == "shardy-xla"
                      else "gspmd"),
         platform=dumped.platform,
@@ -107,9 +108,9 @@ def _explain(compiled: Compiled, versions: dict[str, str], progress) -> Analysis
             parse_buffer_assignment(dumped.buffer_assignment, f"{where}'s buffer assignment"),
             parse_live_range(dumped.live_range, f"{where}'s live ranges"), partitioned, collectives,
             memory.temp_bytes))
-    roles = ["unused"] * compiled.argument_leaves
+    roles = [ArgumentRole.UNUSED] * compiled.argument_leaves
     for number, leaf in enumerate(compiled.kept_leaves):
-        roles[leaf] = "weight" if flow.is_weight_parameter(number) else "input"
+        roles[leaf] = ArgumentRole.WEIGHT if flow.is_weight_parameter(number) else ArgumentRole.INPUT
     return Analysis(
         argument_roles=tuple(roles),
         mesh=compiled.mesh.as_dict(),

@@ -13,13 +13,14 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from .._vocab import CollectiveKind
 from ._collectives import transform_of
 from ._devices import MeshInfo
-from ._graph import around, dims_of, sharding_of, source_of
+from ._graph import around, dims_of, node_of, sharding_of, source_of
 from ._model import Collective
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Drop:
     """An op of the propagated graph whose result drops mesh axes its operand had."""
 
@@ -52,18 +53,18 @@ def link(graph, drops: list[Drop], mesh: MeshInfo, collectives) -> dict[str, set
     links: dict[str, set[str]] = {d.node: set() for d in drops}
     claimed: set[str] = set()
     for node in links:
-        data = graph.nodes[node]
+        data = node_of(graph, node)
         src = source_of(graph, node)
         for c in collectives:
-            if (c.kind == "all-gather" and src is not None and c.xla_source is not None
+            if (c.kind == CollectiveKind.ALL_GATHER and src is not None and c.xla_source is not None
                     and (c.xla_source.file, c.xla_source.line) == (src.file, src.line)
-                    and c.xla_op_path == data["op_path"]):
+                    and c.xla_op_path == data.op_path):
                 links[node].add(c.id)
                 claimed.add(c.id)
     wanted = {d.node: _gathered_shape(graph, d.operand, d.element, d.lost, mesh) for d in drops}
     near = {node: nearby_lines(graph, node) for node in links}
     for c in collectives:
-        if c.kind != "all-gather" or c.id in claimed:
+        if c.kind != CollectiveKind.ALL_GATHER or c.id in claimed:
             continue
         fits = [d.node for d in drops if set(c.axes) & set(d.lost) and c.shape == wanted[d.node]
                 and _labelled_near(c, near[d.node])]
@@ -71,8 +72,8 @@ def link(graph, drops: list[Drop], mesh: MeshInfo, collectives) -> dict[str, set
             continue
 
         def preference(node):
-            data = graph.nodes[node]
-            same_transform = transform_of(data["op_path"]) == transform_of(c.xla_op_path)
+            data = node_of(graph, node)
+            same_transform = transform_of(data.op_path) == transform_of(c.xla_op_path)
             src = source_of(graph, node)
             same_line = src is not None and c.source is not None and src.line == c.source.line
             return (not same_transform, not same_line)
@@ -102,5 +103,5 @@ def _gathered_shape(graph, operand, element, lost, mesh: MeshInfo) -> str:
     expected = tuple(
         d // math.prod(sizes.get(a, 1) for a in axes if a not in lost)
         for d, axes in zip(dims, before.dims + ((),) * (len(dims) - len(before.dims))))
-    dtype = graph.nodes[operand]["result"][element].dtype
+    dtype = node_of(graph, operand).result[element].dtype
     return f"{dtype}[{','.join(map(str, expected))}]"

@@ -26,6 +26,7 @@ import dataclasses
 import re
 
 from .._errors import AnalysisError
+from .._vocab import BufferRole
 from ._model import Memory
 
 _ALLOCATION_RE = re.compile(r"allocation (\d+): size (\d+)(?:, (.*))?:\s*$")
@@ -33,7 +34,7 @@ _ALLOCATION_RE = re.compile(r"allocation (\d+): size (\d+)(?:, (.*))?:\s*$")
 _VALUE_RE = re.compile(r"\s*value: <\d+ (\S+)[^@>]*@\d+> \(size=(\d+),offset=(\d+)\): (.*)$")
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Slot:
     """One value placed in an allocation: `value` is the instruction's name, with the
     tuple element (`custom-call{1}`) where the result is a tuple's element."""
@@ -44,7 +45,7 @@ class Slot:
     shape: str
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Allocation:
     number: int
     size: int
@@ -52,18 +53,18 @@ class Allocation:
     slots: tuple[Slot, ...]
 
     @property
-    def role(self) -> str:
+    def role(self) -> BufferRole:
         """argument, output, temp, constant or other (thread-local scratch, another memory
         space)."""
         if "color" in self.flags:
             return "other"
         if "parameter" in self.flags:
-            return "argument"
+            return BufferRole.ARGUMENT
         if "maybe-live-out" in self.flags:
-            return "output"
+            return BufferRole.OUTPUT
         if "preallocated-temp" in self.flags:
-            return "temp"
-        return "constant" if "constant" in self.flags else "other"
+            return BufferRole.TEMP
+        return BufferRole.CONSTANT if "constant" in self.flags else BufferRole.OTHER
 
 
 def parse_buffer_assignment(text: str, where: str = "the buffer assignment") -> tuple[Allocation, ...]:
@@ -74,7 +75,8 @@ def parse_buffer_assignment(text: str, where: str = "the buffer assignment") -> 
 
     def close() -> None:
         if head is not None:
-            allocations.append(Allocation(*head, tuple(slots)))
+            number, size, flags = head
+            allocations.append(Allocation(number=number, size=size, flags=flags, slots=tuple(slots)))
 
     for number, line in enumerate(text.splitlines(), 1):
         if line.startswith("allocation "):
@@ -89,7 +91,8 @@ def parse_buffer_assignment(text: str, where: str = "the buffer assignment") -> 
             if v is None:
                 raise AnalysisError(f"{where}, line {number}: not a value line XLA writes: "
                                     f"{line[:120]!r}")
-            slots.append(Slot(value_name(v.group(1)), int(v.group(2)), int(v.group(3)), v.group(4)))
+            slots.append(Slot(value=value_name(v.group(1)), size=int(v.group(2)), offset=int(v.group(3)),
+                              shape=v.group(4)))
         elif line and not line.startswith(" "):
             close()
             head = None

@@ -12,8 +12,8 @@ a custom call), and only the partitioned module shows them. For each collective,
   provenance of its value says (`_dataflow.py`), for an op that may want a weight whole
   (a contraction, an embedding's gather). An argument that the program treats as tokens,
   or that XLA's partitioner gathered for an op that orders or counts tokens (its label on
-  the collective is in `TOKEN_OPS`: sort, top_k, a cumulative sum, a scatter), is an input
-  activation, and so is all that moves it;
+  the collective is in `_ops.TOKEN_PRIMITIVES`: sort, top_k, a cumulative sum, a scatter),
+  is an input activation, and so is all that moves it;
 - `requested` (gathers) or `layout` (all-to-all, permutes): the code wrote the collective
   inside a shard_map, or a constraint / reshard / shard_map spec at that op asked for a
   sharding without the axis. What the constraint asked is read, not assumed: a constraint
@@ -33,19 +33,20 @@ import dataclasses
 
 import networkx as nx
 
+from .._vocab import Cause, CollectiveKind, FindingKind
 from ._collectives import primitive_of
 from ._dataflow import Provenance
 from ._detect import describe, neighbourhood
-from ._graph import dims_of, sharding_of, source_of, stack_key, user_stack_of
+from ._graph import dims_of, node_of, sharding_of, source_of, stack_key
 from ._hlo import HloModule
-from ._patterns import NEEDS_WHOLE, TOKEN_OPS, feeds_grouped_matmul
-from ._model import (LAYOUT, LOST, REDUCTION, REMATERIALIZED, REQUESTED, RESHARDED, UNSPLIT, WEIGHTS,
-                     Collective, Finding, Requested, Source)
+from ._ops import NEEDS_WHOLE, TOKEN_PRIMITIVES
+from ._patterns import feeds_grouped_matmul
+from ._model import Collective, Finding, Requested, Source
 from ._stablehlo import Asked
-from ._stack import SourceLocation, display_path, user_stack
+from ._stack import user_sources, user_stack
 from ._xla_log import Remat
 
-_REDUCTIONS = {"all-reduce", "reduce-scatter"}
+_REDUCTIONS = {CollectiveKind.ALL_REDUCE, CollectiveKind.REDUCE_SCATTER}
 # JAX collectives a user writes inside shard_map, as XLA labels them.
 _WRITTEN = {"all_gather", "all_gather_invariant", "all_to_all", "ragged_all_to_all", "ppermute",
             "psum", "pmax", "pmin", "psum_scatter", "reduce_scatter", "pbroadcast", "pgather"}
@@ -81,7 +82,7 @@ def explain(collectives: tuple[Collective, ...], module: HloModule, flow: Proven
     explained, used_asks = [], set()
     for c in collectives:
         instr = by_name.get(c.id)
-        own = stack_key(user_stack_of(instr)) if instr is not None else ()
+        own = stack_key(user_stack(instr.stack)) if instr is not None else ()
         cause, ask = _cause(c, flow.is_weight(c.id), own, dropped_by, asks)
         if ask is not None:
             used_asks.add(ask)
@@ -100,34 +101,34 @@ def with_gathered_tokens(flow: Provenance, collectives: tuple[Collective, ...]) 
     """`flow`, with the arguments XLA's partitioner gathered for an op that orders or counts
     tokens (its own label on the collective) as token inputs."""
     for c in collectives:
-        if primitive_of(c.xla_op_path) in TOKEN_OPS:
+        if primitive_of(c.xla_op_path) in TOKEN_PRIMITIVES:
             flow = flow.with_tokens(flow.moved_weights(flow.of(c.id)))
     return flow
 
 
 def _cause(c: Collective, weight: bool, own: tuple, dropped_by, asks) -> tuple[str, _Ask | None]:
     if c.kind in _REDUCTIONS:
-        return REDUCTION, None
+        return Cause.REDUCTION, None
     if c.id in dropped_by:
-        return LOST, None   # XLA's propagation dropped the axis of what it moves: tokens
+        return Cause.LOST, None   # XLA's propagation dropped the axis of what it moves: tokens
     if weight:
-        return WEIGHTS, None
-    asked_kind = REQUESTED if c.kind == "all-gather" else LAYOUT
+        return Cause.WEIGHTS, None
+    asked_kind = Cause.REQUESTED if c.kind == CollectiveKind.ALL_GATHER else Cause.LAYOUT
     if primitive_of(c.xla_op_path) in _WRITTEN:
         return asked_kind, None
     consumer = stack_key(c.stack)
     for ask in asks:
         if set(c.axes) & set(ask.requested.axes) and (own in ask.stacks or consumer in ask.stacks):
             return asked_kind, ask
-    if c.kind == "collective-permute":
-        return LAYOUT, None
-    return LOST, None
+    if c.kind == CollectiveKind.COLLECTIVE_PERMUTE:
+        return Cause.LAYOUT, None
+    return Cause.LOST, None
 
 
 def _stack_index(graph: nx.DiGraph) -> dict[tuple, list[str]]:
     """The propagated ops by their user stack (stack_key)."""
     index: dict[tuple, list[str]] = {}
-    for node, data in graph.nodes(data=True):
+    for node, data in graph.nodes(data="op"):
         key = _key_of(data)
         if key:
             index.setdefault(key, []).append(node)
@@ -135,7 +136,7 @@ def _stack_index(graph: nx.DiGraph) -> dict[tuple, list[str]]:
 
 
 def _key_of(data) -> tuple:
-    return stack_key(user_stack_of(data["instr"]))
+    return stack_key(user_stack(data.instr.stack))
 
 
 def _asks(requested, asked, graph, stacks, mesh_axes) -> list[_Ask]:
@@ -153,18 +154,14 @@ def _asks(requested, asked, graph, stacks, mesh_axes) -> list[_Ask]:
         left_out = tuple(axis for axis, size in mesh_axes.items() if size > 1 and axis not in named)
         if not left_out or a.op == "shard_map":
             continue  # shard_map specs are per input; its gathers are matched by XLA's label
-        stack = tuple(_source(f) for f in user_stack(tuple(SourceLocation(f, n) for f, n in a.stack)))
-        r = Requested(_ASK_OPS.get(a.op, a.op), left_out, stack[0] if stack else None, a.op,
-                      stack, a.dims)
+        stack = user_sources(tuple(Source(f, n) for f, n in a.stack))
+        r = Requested(op=_ASK_OPS.get(a.op, a.op), axes=left_out, source=stack[0] if stack else None,
+                      op_path=a.op, stack=stack, asked=a.dims)
         asks.append(_Ask(r, _nearby(stack_key(stack), graph, stacks), listed_when_used=True))
     return asks
 
 
 _ASK_OPS = {"sharding_constraint": "sharding_constraint", "reshard": "reshard"}
-
-
-def _source(frame) -> Source:
-    return Source(display_path(frame.file), frame.line, frame.function)
 
 
 def _nearby(key: tuple, graph, stacks, radius: int = 3) -> frozenset:
@@ -179,7 +176,7 @@ def _nearby(key: tuple, graph, stacks, radius: int = 3) -> frozenset:
     frontier = list(stacks.get(key, ()))
     for _ in range(radius):  # upstream only: ops whose values flow into the ask
         frontier = [p for n in frontier for p in graph.predecessors(n)]
-        found.update(_key_of(graph.nodes[p]) for p in frontier)
+        found.update(_key_of(node_of(graph, p)) for p in frontier)
     found.discard(())
     return frozenset(found)
 
@@ -189,12 +186,12 @@ def _partitioner_findings(collectives, dropped_by, graph, stacks) -> list[Findin
     propagation drop explains: grouped by the op XLA labelled them with."""
     groups: dict[tuple, list[Collective]] = {}
     for c in collectives:
-        if c.cause == LOST and c.id not in dropped_by:
+        if c.cause == Cause.LOST and c.id not in dropped_by:
             groups.setdefault((c.needed_by, stack_key(c.stack)), []).append(c)
     findings = []
     for (op, key), members in groups.items():
         node = _node_for(graph, stacks, key, op) if graph is not None else None
-        op_path = graph.nodes[node]["op_path"] if node is not None else members[0].op_path
+        op_path = node_of(graph, node).op_path if node is not None else members[0].op_path
         findings.append(_finding(op or members[0].kind, op_path, members, graph, node))
     return findings
 
@@ -208,8 +205,8 @@ def _node_for(graph, stacks, key, op) -> str | None:
     opcode = op.replace("_", "-")
 
     def rank(n):
-        data = graph.nodes[n]
-        return (primitive_of(data["op_path"]) != op, data["opcode"] != opcode, n)
+        data = node_of(graph, n)
+        return (primitive_of(data.op_path) != op, data.opcode != opcode, n)
 
     return min(candidates, key=rank)
 
@@ -246,8 +243,8 @@ def _finding(op: str, op_path: str, members: list[Collective], graph, node) -> F
     differ = {sharding_of(graph, *pe).dims for pe in sharded}
     operands: tuple[str, ...] = ()
     could_run_sharded = op not in NEEDS_WHOLE and op != first.kind   # the kind: no op known
-    if could_run_sharded and (len(differ) > 1 or all(c.kind == "all-to-all" for c in members)):
-        kind, way_out = RESHARDED, _RESHARDED_WAY_OUT.format(op=op, axes=over)
+    if could_run_sharded and (len(differ) > 1 or all(c.kind == CollectiveKind.ALL_TO_ALL for c in members)):
+        kind, way_out = FindingKind.RESHARDED, _RESHARDED_WAY_OUT.format(op=op, axes=over)
         if len(differ) > 1:
             operands = tuple(dict.fromkeys(describe(graph, *pe) for pe in sharded))
             message = (f"{op}'s operands ({'; '.join(operands)}) are sharded differently: XLA's "
@@ -256,7 +253,7 @@ def _finding(op: str, op_path: str, members: list[Collective], graph, node) -> F
             message = (f"XLA's partitioner moves {moved} over {over} from one sharding to another "
                        f"to compute {op} (all-to-all)")
     else:
-        kind, way_out = UNSPLIT, _UNSPLITTABLE_WAY_OUT.format(op=op, axes=over)
+        kind, way_out = FindingKind.UNSPLIT, _UNSPLITTABLE_WAY_OUT.format(op=op, axes=over)
         message = (f"{op} needs its operands whole along a dimension sharded over {over}: "
                    f"XLA's partitioner gathers {moved} for it")
     return Finding(
@@ -266,13 +263,13 @@ def _finding(op: str, op_path: str, members: list[Collective], graph, node) -> F
         operand_shape=operand, result_shape=result, collectives=tuple(c.id for c in members),
         bytes=nbytes, message=message, way_out=way_out,
         neighbourhood=neighbourhood(graph, node) if node is not None else None,
-        operand_spec=spec, operand_dims=dims, operand_shapes=operands, cause=LOST, needed_by=op,
+        operand_spec=spec, operand_dims=dims, operand_shapes=operands, cause=Cause.LOST, needed_by=op,
         stack=stack)
 
 
 def _stack_of(members, graph, node) -> tuple[Source, ...]:
     if node is not None:
-        return tuple(user_stack_of(graph.nodes[node]["instr"], as_sources=True))
+        return user_sources(node_of(graph, node).instr.stack)
     return members[0].stack
 
 
@@ -280,13 +277,13 @@ def _remat_findings(remats: tuple[Remat, ...], graph) -> list[Finding]:
     found = []
     for remat in remats:
         node = _remat_node(remat, graph)
-        data = graph.nodes[node] if node is not None else None
-        stack = tuple(user_stack_of(data["instr"], as_sources=True)) if data else ()
-        op = data["opcode"] if data else "op"
+        data = node_of(graph, node) if node is not None else None
+        stack = user_sources(data.instr.stack) if data else ()
+        op = data.opcode if data else "op"
         found.append(Finding(
-            kind=REMATERIALIZED, op=op, axes=(), feeds_grouped_matmul=False,
+            kind=FindingKind.REMATERIALIZED, op=op, axes=(), feeds_grouped_matmul=False,
             source=stack[0] if stack else (source_of(graph, node) if node else None),
-            op_path=data["op_path"] if data else remat.instruction,
+            op_path=data.op_path if data else remat.instruction,
             operand_shape=remat.source_sharding, result_shape=remat.target_sharding,
             collectives=(), bytes=0,
             message=(f"XLA's partitioner could not reshard {remat.instruction} from "
@@ -296,7 +293,7 @@ def _remat_findings(remats: tuple[Remat, ...], graph) -> list[Finding]:
                      "(shard the same dimensions in the same order), or reshape so the "
                      "sharded dimension stays a dimension of its own"),
             neighbourhood=neighbourhood(graph, node) if node is not None else None,
-            cause=LOST, needed_by=op, stack=stack))
+            cause=Cause.LOST, needed_by=op, stack=stack))
     return found
 
 
@@ -306,5 +303,5 @@ def _remat_node(remat: Remat, graph) -> str | None:
         return None
     if remat.instruction in graph:
         return remat.instruction
-    same = sorted(n for n, d in graph.nodes(data=True) if remat.op_name and d["op_path"] == remat.op_name)
+    same = sorted(n for n, d in graph.nodes(data="op") if remat.op_name and d.op_path == remat.op_name)
     return same[0] if same else None

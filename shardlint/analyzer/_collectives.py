@@ -20,20 +20,19 @@ known trip counts of the loops around it (None when XLA does not know one).
 
 from __future__ import annotations
 
+from .._vocab import COLLECTIVE_KINDS, CollectiveKind
 from ._devices import MeshInfo, axes_of_groups, axes_of_pairs, parse_replica_groups, replica_group_axes
 from ._hlo import ArrayType, HloModule, Instruction
 from ._model import Collective, Source
-from ._patterns import NEEDS_WHOLE
-from ._stack import display_path, user_stack
-
-KINDS = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute",
-         "ragged-all-to-all", "collective-broadcast")
-
+from ._ops import NEEDS_WHOLE
+from ._stack import shown, user_stack
+from ._trips import executions
 
 _PASS_THROUGH = {"get-tuple-element", "bitcast", "copy", "tuple", "reshape", "transpose",
                  "all-gather-done", "all-to-all-done", "collective-permute-done", "async-done",
                  "copy-start", "copy-done", "convert"}
-_READ_BY_CONSUMER = {"all-gather", "all-to-all", "ragged-all-to-all", "collective-broadcast"}
+_READ_BY_CONSUMER = {CollectiveKind.ALL_GATHER, CollectiveKind.ALL_TO_ALL, CollectiveKind.RAGGED_ALL_TO_ALL,
+                     CollectiveKind.COLLECTIVE_BROADCAST}
 
 
 def collectives_of(module: HloModule, mesh: MeshInfo) -> tuple[Collective, ...]:
@@ -53,26 +52,6 @@ def collectives_of(module: HloModule, mesh: MeshInfo) -> tuple[Collective, ...]:
         found.append(_collective(instr, kind, is_async, mesh, instr.computation in loop_bodies, consumer,
                                  trips.get(instr.computation, 1)))
     return tuple(found)
-
-
-def executions(module: HloModule) -> dict[str, int | None]:
-    """How often each computation runs per step: the product of the known trip counts of
-    the while loops around it (None once one of them is unknown)."""
-    counts: dict[str, int | None] = {module.entry.name: 1}
-    pending = [module.entry.name]
-    while pending:
-        comp = module.computations.get(pending.pop())
-        if comp is None:
-            continue
-        mine = counts[comp.name]
-        for instr in comp.instructions:
-            trip = instr.known_trip_count if instr.opcode == "while" else 1
-            inner = None if mine is None or trip is None else mine * trip
-            for callee in instr.called:
-                if callee not in counts:
-                    counts[callee] = inner
-                    pending.append(callee)
-    return counts
 
 
 def _needed_by(instr: Instruction, consumer: Instruction | None) -> str:
@@ -199,18 +178,18 @@ def _needs_whole(instr: Instruction) -> bool:
     return primitive_of(instr.op_name) in NEEDS_WHOLE and instr.opcode not in _PASS_THROUGH
 
 
-def _kind(opcode: str) -> tuple[str | None, bool]:
+def _kind(opcode: str) -> tuple[CollectiveKind | None, bool]:
     if opcode.endswith("-done"):
         return None, False
     base = opcode[: -len("-start")] if opcode.endswith("-start") else opcode
-    return (base, opcode != base) if base in KINDS else (None, False)
+    return (CollectiveKind(base), opcode != base) if base in COLLECTIVE_KINDS else (None, False)
 
 
-def _collective(instr: Instruction, kind: str, is_async: bool, mesh: MeshInfo,
+def _collective(instr: Instruction, kind: CollectiveKind, is_async: bool, mesh: MeshInfo,
                 in_loop: bool, consumer: Instruction | None, trips: int | None) -> Collective:
     outputs = _outputs(instr, kind, is_async)
     result_bytes = sum(a.nbytes for a in outputs)
-    if kind == "collective-permute":
+    if kind == CollectiveKind.COLLECTIVE_PERMUTE:
         axes = axes_of_pairs(mesh, instr.source_target_pairs)
         group = 2
     else:
@@ -243,31 +222,31 @@ def _collective(instr: Instruction, kind: str, is_async: bool, mesh: MeshInfo,
     )
 
 
-def _source(src) -> Source | None:
-    return Source(display_path(src.file), src.line, src.function) if src else None
+def _source(src: Source | None) -> Source | None:
+    return shown(src) if src else None
 
 
-def _outputs(instr: Instruction, kind: str, is_async: bool) -> tuple[ArrayType, ...]:
+def _outputs(instr: Instruction, kind: CollectiveKind, is_async: bool) -> tuple[ArrayType, ...]:
     """The arrays a collective produces, without the operand copies `*-start` carries."""
     arrays = tuple(a for a in instr.result if a.dtype != "token")
-    if is_async and instr.is_tuple and kind in ("all-gather", "collective-permute",
-                                                  "all-to-all", "reduce-scatter"):
+    if is_async and instr.is_tuple and kind in (CollectiveKind.ALL_GATHER, CollectiveKind.COLLECTIVE_PERMUTE,
+                                                  CollectiveKind.ALL_TO_ALL, CollectiveKind.REDUCE_SCATTER):
         # `(operands..., outputs..., [contexts])`: keep the outputs.
-        if kind == "collective-permute" and len(arrays) >= 2:
+        if kind == CollectiveKind.COLLECTIVE_PERMUTE and len(arrays) >= 2:
             return (arrays[1],)
         half = len(arrays) // 2
         return arrays[half:] if half else arrays
     return arrays
 
 
-def _moved(kind: str, nbytes: int, n: int) -> int:
+def _moved(kind: CollectiveKind, nbytes: int, n: int) -> int:
     if n <= 1:
         return 0
-    if kind == "all-reduce":
+    if kind == CollectiveKind.ALL_REDUCE:
         return 2 * nbytes * (n - 1) // n
-    if kind == "reduce-scatter":
+    if kind == CollectiveKind.REDUCE_SCATTER:
         return nbytes * (n - 1)  # the result is 1/n of the input
-    if kind in ("collective-permute", "collective-broadcast"):
+    if kind in (CollectiveKind.COLLECTIVE_PERMUTE, CollectiveKind.COLLECTIVE_BROADCAST):
         return nbytes
     return nbytes * (n - 1) // n
 

@@ -40,7 +40,7 @@ _DUMP_OPTIONS = {"xla_dump_hlo_pass_re": PROPAGATION_PASSES, "xla_dump_hlo_modul
                  "xla_dump_hlo_as_text": True, "xla_dump_buffer_assignment_analysis": True}
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Compiled:
     """Everything the analysis reads about one compiled step, live or from a dump."""
 
@@ -181,7 +181,7 @@ def memory_of(compiled) -> Memory:
         cost = cost[0] if cost else {}
     flops = (cost or {}).get("flops")
     if stats is None:
-        return Memory(0, 0, 0, 0, None, flops)
+        return Memory.empty(flops)
     # XLA:CPU reports a "peak" below the temp buffers it allocates (not a per-device peak);
     # a peak is kept only where the platform computes one that covers them (TPU).
     peak = getattr(stats, "peak_memory_in_bytes", None)

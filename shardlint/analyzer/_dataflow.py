@@ -28,8 +28,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from ._collectives import KINDS
+from .._vocab import COLLECTIVE_KINDS
 from ._hlo import HloModule, Instruction
+from ._ops import TOKEN_OPCODES
 
 COMPUTED = 1
 
@@ -47,8 +48,6 @@ MOVES = frozenset({
 _MOVING_TARGETS = frozenset({"Sharding", "SPMDFullToShardShape", "SPMDShardToFullShape",
                              "MoveToHost", "MoveToDevice", "LayoutConstraint",
                              "xla.sdy.ShardingConstraint"})
-# Ops that treat their operand as tokens: nothing sorts, ranks, cumulates or scatters a weight.
-TOKEN_OPCODES = frozenset({"sort", "reduce-window", "scatter"})
 # Ops that read their operand at indices (operand 0; the indices from operand 1 on).
 _INDEXED = frozenset({"gather", "dynamic-slice", "dynamic-update-slice", "scatter"})
 _CONTROL = frozenset({"while", "conditional", "call", "fusion", "async-start"})
@@ -68,13 +67,13 @@ def param_bit(number: int) -> int:
     return 1 << (number + 1)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Provenance:
     """Each value's provenance bits (tuple elements merged), which entry parameters may be
     weights, and which of those the program treats as tokens."""
 
     bits: dict[str, int]
-    weights: int          # bits of the floating-point parameters (the user's named ones, if named)
+    weight_bits: int      # bits of the floating-point parameters (the user's named ones, if named)
     tokens: int           # of those, the ones the program treats as tokens
 
     def of(self, name: str) -> int:
@@ -82,7 +81,7 @@ class Provenance:
 
     def moved_weights(self, bits: int) -> int:
         """The weight bits of a value that only moves parameters (0 for anything else)."""
-        return bits & self.weights if not bits & ~self.weights else 0
+        return bits & self.weight_bits if not bits & ~self.weight_bits else 0
 
     def is_weight(self, name: str) -> bool:
         """A moved parameter, none of whose arguments carries tokens."""
@@ -93,10 +92,10 @@ class Provenance:
         """Entry parameter `number` holds a weight: a floating-point parameter the program
         never treats as tokens."""
         bit = param_bit(number)
-        return bool(bit & self.weights) and not bit & self.tokens
+        return bool(bit & self.weight_bits) and not bit & self.tokens
 
     def with_tokens(self, bits: int) -> Provenance:
-        return dataclasses.replace(self, tokens=self.tokens | (bits & self.weights))
+        return dataclasses.replace(self, tokens=self.tokens | (bits & self.weight_bits))
 
 
 def _union(marks) -> int:
@@ -120,9 +119,9 @@ def _join(a, b):
 
 
 class _Flow:
-    def __init__(self, module: HloModule, weights: int):
+    def __init__(self, module: HloModule, weight_bits: int):
         self.module = module
-        self.weights = weights
+        self.weight_bits = weight_bits
         self.values: dict[str, object] = {}
         self.bound: dict[str, dict[int, object]] = {}   # computation -> parameter -> marks
         self.applied: dict[tuple, object] = {}   # (computation, operand marks) -> result marks
@@ -198,7 +197,7 @@ class _Flow:
             operands = tuple(self._operand(instr, i) for i in range(len(instr.operands)))
         self._see_tokens(instr, operands)
         marks = self._flow(instr, in_entry, operands)
-        if isinstance(marks, int) and not marks & COMPUTED and marks & self.weights \
+        if isinstance(marks, int) and not marks & COMPUTED and marks & self.weight_bits \
                 and instr.result and not instr.is_tuple and not is_float(instr.result[0].dtype):
             return marks | COMPUTED   # integers and booleans are never weights
         return marks
@@ -210,7 +209,7 @@ class _Flow:
         if instr.opcode in TOKEN_OPCODES or (
                 instr.opcode == "custom-call" and "topk" in instr.custom_call_target.lower()):
             read = operands[:1] + (operands[2:] if instr.opcode == "scatter" else ())
-        elif instr.opcode in _INDEXED and _from_floats(_union(operands[1:]), self.weights):
+        elif instr.opcode in _INDEXED and _from_floats(_union(operands[1:]), self.weight_bits):
             read = operands[:1] + (operands[2:] if instr.opcode == "scatter" else ())
         else:
             return
@@ -220,7 +219,7 @@ class _Flow:
     def _moved(self, marks) -> int:
         """The weight bits of marks that only move parameters."""
         bits = _union(marks) if not isinstance(marks, int) else marks
-        return bits & self.weights if bits and not bits & ~self.weights else 0
+        return bits & self.weight_bits if bits and not bits & ~self.weight_bits else 0
 
     def _flow(self, instr: Instruction, in_entry: bool, operands: tuple):
         op = instr.opcode
@@ -266,9 +265,9 @@ class _Flow:
         return _union(operands) if moves(instr) else _computed(operands)
 
 
-def _from_floats(bits: int, weights: int) -> bool:
+def _from_floats(bits: int, weight_bits: int) -> bool:
     """Computed from floating-point arguments (router logits, not token ids)."""
-    return bool(bits & COMPUTED and bits & weights)
+    return bool(bits & COMPUTED and bits & weight_bits)
 
 
 def _computed(marks) -> int:
@@ -282,7 +281,7 @@ def _walked(module: HloModule) -> set[str]:
     fusions that hold a collective (themselves or in what they call). Reducers, sort
     comparators and other fusions are not: the ops calling them compute or move as a whole."""
     holding = {i.computation for i in module.instructions()
-               if i.opcode.removesuffix("-start") in KINDS}
+               if i.opcode.removesuffix("-start") in COLLECTIVE_KINDS}
     changed = True
     while changed:
         changed = False
@@ -299,12 +298,12 @@ def provenance(module: HloModule, named: frozenset[int] | None = None) -> Proven
     """Every value's provenance in the partitioned `module`. The floating-point entry
     parameters may be weights (of them only those in `named`, where the user named the
     parameters: `params_argnums`)."""
-    weights = 0
+    weight_bits = 0
     for instr in module.entry.instructions:
         number = instr.parameter_number
         if instr.opcode == "parameter" and number is not None and instr.result \
                 and is_float(instr.result[0].dtype) and (named is None or number in named):
-            weights |= param_bit(number)
-    flow = _Flow(module, weights)
+            weight_bits |= param_bit(number)
+    flow = _Flow(module, weight_bits)
     bits = flow.run()
-    return Provenance(bits, weights, flow.tokens)
+    return Provenance(bits=bits, weight_bits=weight_bits, tokens=flow.tokens)

@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import networkx as nx
 
+from .._vocab import FindingKind
 from ._devices import MeshInfo, Sharding
 from ._attribution import Drop, attribute, link
-from ._graph import around, dims_of, operand_of, sharding_of, source_of, user_stack_of
+from ._graph import around, dims_of, node_of, operand_of, sharding_of, source_of
+from ._stack import user_sources
 from ._model import Collective, Finding, GraphNode, Neighbourhood, Requested
 from ._patterns import feeds_grouped_matmul
 
@@ -33,7 +35,7 @@ def find_lost_sharding(graph: nx.DiGraph, mesh: MeshInfo, collectives: tuple[Col
     Shardy may export such a constraint as a plain copy."""
     findings, requested = [], []
     raw: list[Drop] = []
-    for node, data in graph.nodes(data=True):
+    for node, data in graph.nodes(data="op"):
         op = _op_label(data, asked_lines)
         if op is None:
             continue
@@ -42,11 +44,10 @@ def find_lost_sharding(graph: nx.DiGraph, mesh: MeshInfo, collectives: tuple[Col
             continue
         lost, operand, element = hit
         if op == "sharding_constraint" or _constrained(graph, node, asked_lines):
-            requested.append(Requested(op, lost, source_of(graph, node), data["op_path"],
-                                       user_stack_of(data["instr"], as_sources=True),
-                                       sharding_of(graph, node).dims))
+            requested.append(Requested(op=op, axes=lost, source=source_of(graph, node), op_path=data.op_path,
+                                       stack=user_sources(data.instr.stack), asked=sharding_of(graph, node).dims))
             continue
-        raw.append(Drop(node, op, lost, operand, element))
+        raw.append(Drop(node=node, op=op, lost=lost, operand=operand, element=element))
     links = link(graph, raw, mesh, collectives)
     for drop in raw:
         node, op, lost, operand, element = drop.node, drop.op, drop.lost, drop.operand, drop.element
@@ -61,20 +62,20 @@ def find_lost_sharding(graph: nx.DiGraph, mesh: MeshInfo, collectives: tuple[Col
 
 
 def _op_label(data, asked_lines=()) -> str | None:
-    opcode = data["opcode"]
+    opcode = data.opcode
     if opcode == "reshape":
         return "reshape"
     if opcode == "sort":
         return "sort"
-    if opcode == "topk" or (opcode == "custom-call" and "TopK" in data["instr"].custom_call_target):
+    if opcode == "topk" or (opcode == "custom-call" and "TopK" in data.instr.custom_call_target):
         return "top_k"
     if opcode == "reduce-window":
-        return "cumsum" if "cum" in data["op_path"] or "reduce_window" in data["op_path"] else "reduce-window"
-    if opcode == "custom-call" and data["instr"].custom_call_target in _CONSTRAINT_TARGETS:
+        return "cumsum" if "cum" in data.op_path or "reduce_window" in data.op_path else "reduce-window"
+    if opcode == "custom-call" and data.instr.custom_call_target in _CONSTRAINT_TARGETS:
         return "sharding_constraint"  # GSPMD keeps the constraint as a custom call
-    if opcode == "copy" and data["op_path"].rsplit("/", 1)[-1] in _CONSTRAINT_OP_NAMES:
+    if opcode == "copy" and data.op_path.rsplit("/", 1)[-1] in _CONSTRAINT_OP_NAMES:
         return "sharding_constraint"  # Shardy exports it as a copy named after the JAX op
-    src = data["source"]
+    src = data.source
     if opcode in ("copy", "custom-call") and src is not None and (src.file, src.line) in asked_lines:
         return "sharding_constraint"  # a line where the lowered StableHLO asks for a sharding
     return None
@@ -94,12 +95,12 @@ def _lost_axes(graph, node, op):
     if op == "reshape":
         pairs = reshape_groups(in_dims, out_dims)
     elif op == "sort":
-        dims = graph.nodes[node]["instr"].dimensions or (0,)
+        dims = node_of(graph, node).instr.dimensions or (0,)
         pairs = [([d], [d]) for d in dims]
     elif op == "top_k":
         pairs = [([len(in_dims) - 1], [len(in_dims) - 1])]
     elif op in ("cumsum", "reduce-window"):
-        sizes = graph.nodes[node]["instr"].window_sizes
+        sizes = node_of(graph, node).instr.window_sizes
         pairs = [([d], [d]) for d, s in enumerate(sizes) if s > 1]
     else:  # sharding_constraint: every dimension
         pairs = [([d], [d]) for d in range(len(in_dims))]
@@ -147,18 +148,18 @@ def _constrained(graph, node, asked_lines) -> bool:
         nxt = []
         for n in frontier:
             for user in graph.successors(n):
-                data = graph.nodes[user]
+                data = node_of(graph, user)
                 if _op_label(data, asked_lines) == "sharding_constraint":
                     if sharding_of(graph, user) == mine:
                         return True
-                elif data["opcode"] in ("copy", "convert", "bitcast"):
+                elif data.opcode in ("copy", "convert", "bitcast"):
                     nxt.append(user)
         frontier = nxt
     return False
 
 
 def _finding(graph, node, op, lost, operand, element, feeds, ids, nbytes) -> Finding:
-    data = graph.nodes[node]
+    data = node_of(graph, node)
     before = describe(graph, operand, element)
     after = describe(graph, node, 0)
     axes = ", ".join(lost)
@@ -177,27 +178,30 @@ def _finding(graph, node, op, lost, operand, element, feeds, ids, nbytes) -> Fin
     else:
         way_out = (f"{what} needs the whole dimension on every device: compute it per shard "
                    "inside jax.shard_map, or over a dimension that is not sharded")
-    return Finding("lost-sharding", op, lost, feeds, source_of(graph, node), data["op_path"], before, after,
-                   ids, nbytes, message, way_out, neighbourhood(graph, node),
-                   sharding_of(graph, operand, element).dims,
+    return Finding(kind=FindingKind.DROPPED, op=op, axes=lost, feeds_grouped_matmul=feeds,
+                   source=source_of(graph, node), op_path=data.op_path, operand_shape=before,
+                   result_shape=after, collectives=ids, bytes=nbytes, message=message, way_out=way_out,
+                   neighbourhood=neighbourhood(graph, node),
+                   operand_spec=sharding_of(graph, operand, element).dims,
                    operand_dims=dims_of(graph, operand, element), needed_by=op,
-                   stack=user_stack_of(data["instr"], as_sources=True))
+                   stack=user_sources(data.instr.stack))
 
 
 def neighbourhood(graph, node, radius: int = 2, limit: int = 14) -> Neighbourhood:
     """Ops within `radius` edges of `node` (producers and users), at most `limit`."""
     distance = around(graph, node, radius)
     keep = sorted(distance, key=lambda n: (distance[n], n))[:limit]
-    nodes = tuple(GraphNode(n, graph.nodes[n]["opcode"], describe(graph, n, 0) if graph.nodes[n]["result"] else "",
-                            source_of(graph, n), n == node) for n in keep)
+    nodes = tuple(GraphNode(id=n, op=node_of(graph, n).opcode,
+                            shape=describe(graph, n, 0) if node_of(graph, n).result else "",
+                            source=source_of(graph, n), focus=n == node) for n in keep)
     kept = set(keep)
     edges = tuple((a, b) for a in keep for b in graph.successors(a) if b in kept)
-    return Neighbourhood(nodes, edges)
+    return Neighbourhood(nodes=nodes, edges=edges)
 
 
 def describe(graph, node, element: int) -> str:
     """`f32[4,64,16] P('data', 'context', None)`: global shape with its propagated sharding."""
-    array = graph.nodes[node]["result"][element]
+    array = node_of(graph, node).result[element]
     sharding: Sharding | None = sharding_of(graph, node, element)
     if sharding is None:
         return str(array)

@@ -43,7 +43,7 @@ _LIVE_RANGE_RE = re.compile(r"^\.(?:[\w.\-]+_)?after_optimizations-live-range\.t
 _CLEAR_MARGIN = 1.1
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class DumpedModule:
     """The texts XLA wrote for one compiled module; None where the folder lacks a file."""
 

@@ -23,7 +23,7 @@ def hbm_gib(topology: str | None) -> float | None:
     return HBM_GIB.get(topology.split(":")[0].strip().lower())
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Fit:
     """Whether one device's arguments, outputs and temporaries fit in its memory."""
 
@@ -67,9 +67,10 @@ def memory_fit(memory, limit_gib: float, where: str = "") -> Fit:
     """
     total = memory.argument_bytes + memory.output_bytes + memory.temp_bytes - memory.alias_bytes
     need = max(total, memory.peak_bytes or 0)
-    return Fit(need, int(limit_gib * 2**30), memory.argument_bytes, memory.output_bytes,
-               memory.temp_bytes, memory.alias_bytes, memory.peak_bytes,
-               where or f"{limit_gib:g} GiB")
+    return Fit(need_bytes=need, limit_bytes=int(limit_gib * 2**30), argument_bytes=memory.argument_bytes,
+               output_bytes=memory.output_bytes, temp_bytes=memory.temp_bytes,
+               alias_bytes=memory.alias_bytes, peak_bytes=memory.peak_bytes,
+               where=where or f"{limit_gib:g} GiB")
 
 
 def fit_of(analysis, limit_gib: float | None = None) -> Fit | None:

@@ -1,19 +1,40 @@
 """The propagated program as a `networkx.DiGraph`: ops are nodes, values are edges.
 
-Each node carries what the detectors need and nothing they would have to re-parse:
-opcode, per-result global shapes, XLA's propagated sharding per result (decoded to mesh
-axes), the source location and JAX's op path. Edges run from producer to user and are
-labelled with the operand position and, for tuple-shaped producers, the element read.
+Each node carries one `OpNode` (attribute "op", read with `node_of`): what the detectors
+need and nothing they would have to re-parse: opcode, per-result global shapes, XLA's
+propagated sharding per result (decoded to mesh axes), the source location and JAX's op
+path. Edges run from producer to user and are labelled with the operand position and, for
+tuple-shaped producers, the element read.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import networkx as nx
 
 from ._devices import MeshInfo, Sharding, parse_tuple_sharding
-from ._hlo import HloModule, Instruction
+from ._hlo import ArrayType, HloModule, Instruction
 from ._model import Source
-from ._stack import display_path, user_stack
+from ._stack import display_path, shown, user_sources
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class OpNode:
+    """One op of the propagated program, as a graph node."""
+
+    instr: Instruction
+    opcode: str
+    computation: str
+    result: tuple[ArrayType, ...]           # global shapes, one per result element
+    shardings: tuple[Sharding, ...]         # XLA's propagated sharding per result element
+    source: Source | None                   # the innermost frame, as XLA recorded it
+    op_path: str                            # JAX's op path (the op_name XLA kept)
+    grouped_matmul: bool                    # a dot at a grouped-matmul equation's line
+
+
+def node_of(graph: nx.DiGraph, node: str) -> OpNode:
+    return graph.nodes[node]["op"]
 
 
 def build_graph(module: HloModule, mesh: MeshInfo,
@@ -28,18 +49,17 @@ def build_graph(module: HloModule, mesh: MeshInfo,
         # exports only non-trivial shardings; GSPMD annotates every op).
         shardings = (parse_tuple_sharding(instr.sharding, mesh, ranks) if instr.sharding
                      else [Sharding(((),) * r) for r in ranks])
-        graph.add_node(
-            instr.name,
+        graph.add_node(instr.name, op=OpNode(
             instr=instr,
             opcode=instr.opcode,
             computation=instr.computation,
-            result=instr.result,
-            shardings=shardings,
+            result=tuple(instr.result),
+            shardings=tuple(shardings),
             source=instr.source,
             op_path=instr.op_name,
             grouped_matmul=instr.opcode == "dot" and instr.source is not None
             and (instr.source.file, instr.source.line) in grouped_matmul_sources,
-        )
+        ))
     for instr in module.instructions():
         for position, name in enumerate(instr.operands):
             # JAX 0.12 can name a tuple element directly as `%value#1`.
@@ -58,42 +78,34 @@ def operand_of(graph: nx.DiGraph, node: str, position: int = 0) -> tuple[str, in
     for src, _, data in graph.in_edges(node, data=True):
         if data["position"] == position:
             element = data["element"]
-            if element is None and graph.nodes[src]["opcode"] == "get-tuple-element":
+            if element is None and node_of(graph, src).opcode == "get-tuple-element":
                 element = 0
             return src, element or 0
     return None
 
 
 def sharding_of(graph: nx.DiGraph, node: str, element: int = 0) -> Sharding | None:
-    shardings = graph.nodes[node]["shardings"]
+    shardings = node_of(graph, node).shardings
     return shardings[element] if element < len(shardings) else None
 
 
 def dims_of(graph: nx.DiGraph, node: str, element: int = 0) -> tuple[int, ...]:
-    result = graph.nodes[node]["result"]
+    result = node_of(graph, node).result
     return result[element].dims if element < len(result) else ()
 
 
 def source_of(graph: nx.DiGraph, node: str) -> Source | None:
     """The innermost of the op's user frames (its own frame when all are library frames)."""
-    stack = user_stack_of(graph.nodes[node]["instr"], as_sources=True)
+    op = node_of(graph, node)
+    stack = user_sources(op.instr.stack)
     if stack:
         return stack[0]
-    src = graph.nodes[node]["source"]
-    return Source(display_path(src.file), src.line, src.function) if src else None
-
-
-def user_stack_of(instr: Instruction, as_sources: bool = False) -> tuple:
-    """The instruction's stack without library frames, innermost first; as `Source`s with
-    display paths when `as_sources`."""
-    frames = user_stack(instr.stack)
-    if not as_sources:
-        return frames
-    return tuple(Source(display_path(f.file), f.line, f.function) for f in frames)
+    src = op.source
+    return shown(src) if src else None
 
 
 def stack_key(stack) -> tuple[tuple[str, int], ...]:
-    """A stack as comparable (display path, line) pairs, whatever record type holds it."""
+    """A stack as comparable (display path, line) pairs, its frames raw or `shown`."""
     return tuple((display_path(f.file), f.line) for f in stack)
 
 

@@ -8,7 +8,8 @@ GSPMD's pass) and the partitioned, optimised module.
 
 Attributes stay raw text in `Instruction.attrs`, and the ones detectors need have typed
 views (`dimensions`, `window_sizes`, `known_trip_count`, gather/scatter/dot dimension
-numbers, ...), so that no detector reads attribute text. What a `sharding=` or
+numbers, ...), so that no detector reads attribute text. An element type whose size is
+not known is refused by name rather than guessed. How often a loop runs is `_trips.py`'s. What a `sharding=` or
 `replica_groups=` value means on a mesh is decoded in `_devices.py`. Text differences
 between XLA versions are handled here and named where they occur. The lexical helpers
 (brackets, quotes, attribute and integer lists) live in `_hlo_text.py`.
@@ -54,16 +55,19 @@ from ._hlo_text import (
     _window,
     _x_ints,
 )
-from ._stack import _TABLES, SourceLocation, _unquote, parse_stack_frames
+from ._model import Source
+from ._stack import _TABLES, _unquote, parse_stack_frames
 
+# Bytes per element of every element type XLA prints (xla_data.proto's PrimitiveType, as
+# in JAX 0.10.2 and 0.12: sub-byte types take a byte each unpacked); `opaque` is a pointer.
 _DTYPE_BYTES = {
-    "pred": 1, "s2": 1, "u2": 1, "s4": 1, "u4": 1, "s8": 1, "u8": 1,
-    "f8e4m3fn": 1, "f8e5m2": 1, "f8e4m3": 1, "f8e4m3fnuz": 1, "f8e5m2fnuz": 1,
-    "f8e4m3b11fnuz": 1, "f8e3m4": 1, "f8e8m0fnu": 1, "f4e2m1fn": 1,
+    "pred": 1, "s1": 1, "u1": 1, "s2": 1, "u2": 1, "s4": 1, "u4": 1, "s8": 1, "u8": 1,
+    "f4e2m1fn": 1, "f6e2m3fn": 1, "f6e3m2fn": 1, "f8e4m3fn": 1, "f8e5m2": 1, "f8e4m3": 1, "f8e4m3fnuz": 1, "f8e5m2fnuz": 1,
+    "f8e4m3b11fnuz": 1, "f8e3m4": 1, "f8e8m0fnu": 1,
     "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
     "s32": 4, "u32": 4, "f32": 4,
     "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16,
-    "token": 0,
+    "token": 0, "opaque": 8,
 }
 
 _ARRAY_RE = re.compile(r"([a-z][a-z0-9]*)\[([^\]]*)\]")
@@ -102,7 +106,7 @@ class ArrayType:
 
     @property
     def nbytes(self) -> int:
-        return math.prod(self.dims) * _DTYPE_BYTES.get(self.dtype, 4)
+        return math.prod(self.dims) * _DTYPE_BYTES[self.dtype]
 
     def __str__(self) -> str:
         return f"{self.dtype}[{','.join(map(str, self.dims))}]"
@@ -158,8 +162,8 @@ class Instruction:
     attrs: dict[str, str]            # raw attribute text; read it through the typed views
     computation: str
     is_root: bool = False
-    source: SourceLocation | None = None       # the innermost frame of `stack`
-    stack: tuple[SourceLocation, ...] = ()     # innermost frame first, to the root
+    source: Source | None = None               # the innermost frame of `stack`
+    stack: tuple[Source, ...] = ()             # innermost frame first, to the root
     operand_text: str = ""                     # inside the parentheses: `0` of `parameter(0)`
     # Newer XLA (JAX 0.12's propagated dump) names a tuple element inline, `%while.1#1`,
     # instead of a get-tuple-element: the element index per operand, None where absent.
@@ -179,18 +183,12 @@ class Instruction:
     offset_dims = _ints("offset_dims")                # gather
     collapsed_slice_dims = _ints("collapsed_slice_dims")
     start_index_map = _ints("start_index_map")
-    operand_batching_dims = _ints("operand_batching_dims")
-    start_indices_batching_dims = _ints("start_indices_batching_dims")
     slice_sizes = _ints("slice_sizes")
     update_window_dims = _ints("update_window_dims")  # scatter
     inserted_window_dims = _ints("inserted_window_dims")
     scatter_dims_to_operand_dims = _ints("scatter_dims_to_operand_dims")
-    input_batching_dims = _ints("input_batching_dims")
-    scatter_indices_batching_dims = _ints("scatter_indices_batching_dims")
     index_vector_dim = _int("index_vector_dim")       # gather and scatter
-    dynamic_slice_sizes = _ints("dynamic_slice_sizes")
     tuple_index = _int("index")                       # get-tuple-element
-    k = _int("k")                                     # topk
 
     @_view
     def window_sizes(self) -> tuple[int, ...]:
@@ -234,7 +232,7 @@ class Instruction:
     def known_trip_count(self) -> int | None:
         """A while loop's trip count as XLA's `WhileLoopTripCountAnnotator` recorded it
         (`backend_config={"known_trip_count":{"n":"4"}}`, optimised modules only; for the
-        propagated module see `HloModule.trip_count`)."""
+        propagated module see `_trips.trip_count`)."""
         count = self.backend_config.get("known_trip_count", {})
         return _int_or_none(str(count.get("n", ""))) if isinstance(count, dict) else None
 
@@ -334,42 +332,6 @@ class HloModule:
     def instructions(self):
         for comp in self.computations.values():
             yield from comp.instructions
-
-    def trip_count(self, loop: Instruction) -> int | None:
-        """How often a while loop runs: XLA's annotation where the module carries one (the
-        optimised module), else read from the loop's computations (the propagated module)."""
-        if loop.known_trip_count is not None:
-            return loop.known_trip_count
-        return _counted_loop(self, loop)
-
-
-def _counted_loop(module: HloModule, loop: Instruction) -> int | None:
-    """`for i in range(start, limit)` as JAX lowers `scan` and `fori_loop`: the condition is
-    `element < constant`, the body adds 1 to that element, the initial tuple holds a constant."""
-    cond, body, caller = (module.computations.get(name or "") for name in (
-        loop.loop_condition, loop.loop_body,
-        loop.computation))
-    if cond is None or body is None or caller is None or not loop.operands:
-        return None
-    compare, result, init = cond.root, body.root, caller.get(loop.operands[0])
-    if (compare is None or compare.opcode != "compare" or compare.attrs.get("direction") != "LT"
-            or result is None or init is None or init.opcode != "tuple"):
-        return None
-    index = _element_of_parameter(cond, compare, 0)
-    if index is None or index >= min(len(init.operands), len(result.operands)):
-        return None
-    start, limit = caller.get(init.operands[index]), cond.get(compare.operands[1])
-    add = body.get(result.operands[index])
-    if start is None or limit is None or add is None or add.opcode != "add":
-        return None
-    # The body adds a constant 1 to the counter, on either side of the add.
-    steps = [body.get(add.operands[1 - k]) for k in (0, 1)
-             if _element_of_parameter(body, add, k) == index]
-    step = steps[0].constant_value if steps and steps[0] is not None else None
-    first, last = start.constant_value, limit.constant_value
-    if step != 1 or not isinstance(first, int) or not isinstance(last, int):
-        return None
-    return max(last - first, 0)
 
 
 def parse_hlo(text: str) -> HloModule:
@@ -490,6 +452,10 @@ def _parse_instruction(line: str, computation: str, frames, number: int) -> Inst
     is_root, name, rest = bool(m.group(1)), m.group(2), m.group(3)
     type_text, rest = _take_type(rest)
     result = _result_type(type_text)
+    unknown = [a.dtype for a in result if a.dtype not in _DTYPE_BYTES]
+    if unknown:
+        raise _Unreadable(f"an element type whose size is known for %{name}, not {unknown[0]!r} "
+                          f"(known: {', '.join(_DTYPE_BYTES)})", type_text)
     m_op = _OPCODE_RE.match(rest)
     if not m_op:
         raise _Unreadable(_INSTRUCTION)
@@ -505,9 +471,10 @@ def _parse_instruction(line: str, computation: str, frames, number: int) -> Inst
     indices = tuple(int(i) if i else None for _, _, i in named)
     attrs = _parse_attrs(rest[close + 1:])
     stack = _stack_of(attrs.get("metadata", ""), frames)
-    return Instruction(name, opcode, result, type_text.startswith("("), operands, attrs,
-                       computation, is_root, stack[0] if stack else None, stack,
-                       operand_text.strip(), indices, number)
+    return Instruction(name=name, opcode=opcode, result=result, is_tuple=type_text.startswith("("),
+                       operands=operands, attrs=attrs, computation=computation, is_root=is_root,
+                       source=stack[0] if stack else None, stack=stack,
+                       operand_text=operand_text.strip(), operand_indices=indices, line=number)
 
 
 def _result_type(text: str) -> tuple[ArrayType, ...]:
@@ -523,7 +490,7 @@ def _result_type(text: str) -> tuple[ArrayType, ...]:
     return tuple(ArrayType(dt, _dims(d)) for dt, d in _ARRAY_RE.findall(text))
 
 
-def _stack_of(metadata: str, frames) -> tuple[SourceLocation, ...]:
+def _stack_of(metadata: str, frames) -> tuple[Source, ...]:
     # Older XLA prints source_file/source_line inline (one frame); newer XLA names a frame.
     fields = _metadata_fields(metadata)
     frame = _metadata_int(fields, "stack_frame_id")
@@ -531,19 +498,5 @@ def _stack_of(metadata: str, frames) -> tuple[SourceLocation, ...]:
         return frames[frame]
     line = _metadata_int(fields, "source_line")
     if fields.get("source_file") and line is not None:
-        return (SourceLocation(fields["source_file"], line),)
+        return (Source(fields["source_file"], line),)
     return ()
-
-
-def _element_of_parameter(comp: Computation, instr: Instruction, operand: int) -> int | None:
-    """Which element of the computation's tuple parameter an operand is: a get-tuple-element
-    of the parameter, or the parameter with an inline `#N` index (JAX 0.12's propagated dump)."""
-    ref = comp.get(instr.operands[operand]) if operand < len(instr.operands) else None
-    if ref is None:
-        return None
-    if ref.opcode == "parameter":
-        return instr.operand_indices[operand] if operand < len(instr.operand_indices) else None
-    if ref.opcode == "get-tuple-element" and ref.operands:
-        source = comp.get(ref.operands[0])
-        return ref.tuple_index if source is not None and source.opcode == "parameter" else None
-    return None

@@ -34,7 +34,7 @@ _PEAK_RE = re.compile(r"\s+Live ranges at (\d+) \(peak\):\s*$")
 _LIVE_RE = re.compile(r"\s+(\S+): (\d+) bytes")
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class LiveRanges:
     peak_time: int
     peak: dict[str, int]                  # value -> bytes, the values alive at the peak
@@ -67,4 +67,4 @@ def parse_live_range(text: str, where: str = "the live-range dump") -> LiveRange
     if peak_time is None:
         raise AnalysisError(f"{where} has no 'Live ranges at T (peak):' section: is it XLA's "
                             f"live-range dump (--xla_dump_buffer_assignment_analysis)?")
-    return LiveRanges(peak_time, peak, ranges)
+    return LiveRanges(peak_time=peak_time, peak=peak, ranges=ranges)

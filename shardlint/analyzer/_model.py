@@ -5,9 +5,9 @@ the CI gate all read these records; nothing downstream re-parses compiler text.
 `Analysis.to_json()` and `Analysis.from_json()` are exact inverses so that a saved
 analysis can be reported or gated later.
 
-Every collective carries a `cause` from a closed set (`CAUSES`), the op that needed it
-(`needed_by`) and the user's `stack` (innermost first, library frames dropped); `source`
-is the innermost frame of that stack.
+Every collective carries a `cause` from a closed set (`Cause`, in `shardlint._vocab`), the
+op that needed it (`needed_by`) and the user's `stack` (innermost first, library frames
+dropped); `source` is the innermost frame of that stack.
 """
 
 from __future__ import annotations
@@ -15,22 +15,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from .._vocab import ArgumentRole, BufferRole, Cause, CollectiveKind, FindingKind
+
 SCHEMA = "shardlint.analysis/3"
-
-# Why a collective is in the partitioned program.
-LOST = "lost"            # an activation gathered / all-to-all'd over an axis that sharded it, unasked
-REQUESTED = "requested"  # a constraint, reshard, out_sharding or shard_map spec asked for it
-WEIGHTS = "weights"      # a gather of a parameter-derived value (FSDP / ZeRO)
-REDUCTION = "reduction"  # all-reduce / reduce-scatter of partial sums
-LAYOUT = "layout"        # all-to-all / collective-permute that the code asked for (EP, Ulysses)
-CAUSES = (LOST, REQUESTED, WEIGHTS, REDUCTION, LAYOUT)
-
-# How a finding's sharding was lost.
-DROPPED = "lost-sharding"                # propagation dropped the axis at the op (reshape, sort, ...)
-UNSPLIT = "unsplit-op"                   # the partitioner could not split the op: it gathered inputs
-RESHARDED = "resharded-operand"          # the op's operands came sharded differently: one was moved
-REMATERIALIZED = "full-rematerialization"  # XLA logged an involuntary full rematerialization
-FINDING_KINDS = (DROPPED, UNSPLIT, RESHARDED, REMATERIALIZED)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,12 +30,12 @@ class Source:
         return f"{self.file}:{self.line}"
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Collective:
     """One collective in the partitioned program, as one device sees it."""
 
     id: str                      # the HLO instruction name, unique within the module
-    kind: str                    # all-gather, all-reduce, reduce-scatter, all-to-all, ...
+    kind: CollectiveKind         # all-gather, all-reduce, reduce-scatter, all-to-all, ...
     axes: tuple[str, ...]        # mesh axes it communicates over
     bytes: int                   # bytes moved per device (ring estimate, see README)
     result_bytes: int            # bytes of the per-device result
@@ -59,7 +46,7 @@ class Collective:
     in_loop: bool = False        # inside a while body (executes once per iteration)
     xla_op_path: str = ""        # the op_name XLA itself attached (differs across versions)
     xla_source: Source | None = None
-    cause: str = ""              # one of CAUSES
+    cause: Cause | str = ""      # a Cause ("" until explained)
     needed_by: str = ""          # the op that needed it: reshape, scatter, top_k, dot_general, ...
     stack: tuple[Source, ...] = ()  # the user's frames of that op, innermost first
     trips: int | None = 1        # executions per step: a loop's trip count (None: unknown)
@@ -70,11 +57,11 @@ class Collective:
         return self.bytes * (self.trips or 1)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Finding:
     """An op where XLA drops a mesh axis that its operand was sharded over."""
 
-    kind: str                    # FINDING_KINDS: how XLA lost the sharding
+    kind: FindingKind            # how XLA lost the sharding
     op: str                      # reshape, sort, top_k, cumsum, ...
     axes: tuple[str, ...]        # mesh axes lost
     feeds_grouped_matmul: bool
@@ -91,12 +78,12 @@ class Finding:
     operand_dims: tuple[int, ...] = ()                # the operand's global shape
     # a resharded-operand finding's operands, each "global shape P(...)", as propagated
     operand_shapes: tuple[str, ...] = ()
-    cause: str = LOST
+    cause: Cause = Cause.LOST
     needed_by: str = ""          # the op that needed the gathers (the finding's op, or its consumer)
     stack: tuple[Source, ...] = ()
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class GraphNode:
     id: str
     op: str                      # HLO opcode
@@ -105,7 +92,7 @@ class GraphNode:
     focus: bool = False          # the op the finding is about
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Neighbourhood:
     """The ops around a finding in the propagated graph, for drawing."""
 
@@ -113,7 +100,7 @@ class Neighbourhood:
     edges: tuple[tuple[str, str], ...]
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Requested:
     """A resharding the user asked for (sharding constraint, shard_map specs)."""
 
@@ -133,7 +120,7 @@ class PeakBuffer:
     slot for it at another time); each byte of the temp allocation counts once."""
 
     value: str                   # the HLO value: its instruction's name ({i}: a tuple element)
-    role: str                    # temp, argument, output or constant
+    role: BufferRole             # temp, argument, output or constant
     bytes: int                   # bytes it accounts for at the peak
     size: int                    # the buffer's own size
     alive: bool                  # alive at the peak
@@ -144,10 +131,10 @@ class PeakBuffer:
     stack: tuple[Source, ...] = ()
     backward: bool = False       # made by the backward pass (a transpose)
     collective: str = ""         # the collective whose result it holds or is computed from
-    cause: str = ""              # that collective's cause
+    cause: Cause | str = ""      # that collective's cause
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Memory:
     argument_bytes: int
     output_bytes: int
@@ -159,13 +146,19 @@ class Memory:
                                  # a dense dot over every expert)
     peak_buffers: tuple[PeakBuffer, ...] = ()   # largest first; () where XLA wrote no live ranges
 
+    @classmethod
+    def empty(cls, flops: float | None = None) -> Memory:
+        """No sizes known (no memory statistics), no peak; `flops` where a cost analysis came."""
+        return cls(argument_bytes=0, output_bytes=0, temp_bytes=0, alias_bytes=0, peak_bytes=None,
+                   flops=flops)
+
     def temp_accounted(self) -> int:
         """Bytes of temp that the buffers of `peak_buffers` hold (not the padding and the
         runtime's own, which are listed as such)."""
-        return sum(b.bytes for b in self.peak_buffers if b.role == "temp" and b.value)
+        return sum(b.bytes for b in self.peak_buffers if b.role == BufferRole.TEMP and b.value)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Analysis:
     mesh: dict[str, int]
     memory: Memory
@@ -178,14 +171,14 @@ class Analysis:
     topology: str | None = None
     dump: str | None = None         # the XLA dump folder it was read from (None: a live compile)
     unread: tuple[str, ...] = ()    # what that folder lacked and what that leaves unsaid
-    # per leaf of the step's positional arguments (live): "weight" (a parameter only moved),
-    # "input" (an activation it is handed: integers, token inputs) or "unused" (jit drops it)
-    argument_roles: tuple[str, ...] = ()
+    # per leaf of the step's positional arguments (live): weight (a parameter only moved),
+    # input (an activation it is handed: integers, token inputs) or unused (jit drops it)
+    argument_roles: tuple[ArgumentRole, ...] = ()
 
     def all_gathers(self) -> tuple[Collective, ...]:
-        return tuple(c for c in self.collectives if c.kind == "all-gather")
+        return tuple(c for c in self.collectives if c.kind == CollectiveKind.ALL_GATHER)
 
-    def by_cause(self, cause: str) -> tuple[Collective, ...]:
+    def by_cause(self, cause: Cause) -> tuple[Collective, ...]:
         return tuple(c for c in self.collectives if c.cause == cause)
 
     def to_json(self) -> dict[str, Any]:
@@ -246,4 +239,4 @@ def _neighbourhood(doc) -> Neighbourhood | None:
         return None
     nodes = tuple(GraphNode(**{**n, "source": Source(**n["source"]) if n["source"] else None})
                   for n in doc["nodes"])
-    return Neighbourhood(nodes, tuple(tuple(e) for e in doc["edges"]))
+    return Neighbourhood(nodes=nodes, edges=tuple(tuple(e) for e in doc["edges"]))

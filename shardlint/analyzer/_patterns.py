@@ -5,8 +5,8 @@ The analyzer asks whether a lost value flows into a grouped matmul (in the propa
 (`is_grouped_matmul_eqn`, matched back to HLO by source line because XLA:CPU lowers
 `ragged_dot` to a masked dense dot); the rewrites ask the same of the jaxpr to find routed
 regions (`is_expert_batched_eqn`, and `reads_expert_weights` for dense dispatch).
-`NEEDS_WHOLE` names the ops that need a whole dimension: where a gather of a sharded
-activation is placed for.
+Which ops need a whole dimension, move values or route tokens is the op table's
+(`_ops.py`).
 """
 
 from __future__ import annotations
@@ -15,26 +15,11 @@ import collections
 
 import networkx as nx
 
-from ._graph import dims_of, operand_of
+from ._graph import dims_of, node_of, operand_of
+from ._ops import JAXPR_LAYOUT, SAME_DIMS, WEIGHT_PATH_OPCODES
 
 GROUPED_MATMUL_PRIMITIVES = ("ragged_dot_general", "ragged_dot", "gmm", "tgmm")
 _GMM_TARGET_WORDS = ("gmm", "ragged", "grouped", "megablox", "tgmm")
-_LAYOUT_OPS = {"convert", "copy", "bitcast", "reshape", "transpose", "get-tuple-element",
-               "dynamic-slice", "all-gather", "parameter", "broadcast", "slice"}
-
-# Ops that need a whole dimension, as JAX names them: propagation drops (reshape, sort,
-# top_k, cumulative ops) and ops XLA's partitioner cannot split along a sharded dimension.
-NEEDS_WHOLE = {"reshape", "sort", "argsort", "top_k", "cumsum", "cumprod", "cummax", "cummin",
-               "cumlogsumexp", "scatter", "scatter-add", "scatter_add", "scatter-mul",
-               "scatter-min", "scatter-max", "gather", "dynamic_slice", "dynamic_update_slice",
-               "reduce_window", "reduce_window_sum", "reduce_window_max", "custom_call",
-               "pallas_call", "ragged_dot", "ragged_dot_general", "segment_sum"}
-# Of those, the ops that order, count or scatter tokens: nothing gathers a weight for them.
-TOKEN_OPS = {"sort", "argsort", "top_k", "cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp",
-             "scatter", "scatter-add", "scatter_add", "scatter-mul", "scatter-min", "scatter-max",
-             "reduce_window", "reduce_window_sum", "reduce_window_max", "segment_sum"}
-
-
 
 def is_grouped_matmul_eqn(eqn) -> bool:
     """A jaxpr equation that is a grouped matmul: `ragged_dot_general`, or a megablox-style
@@ -81,7 +66,7 @@ def reads_expert_weights(eqn, eqns, producer: dict, tokens=frozenset()) -> bool:
                     if leading is not None and leading not in contracting[side]:
                         return True
                 break
-            if eqns[p].primitive.name not in _JAXPR_LAYOUT_PRIMITIVES or not eqns[p].invars:
+            if eqns[p].primitive.name not in JAXPR_LAYOUT or not eqns[p].invars:
                 break
             chain.append(eqns[p])
             operand = eqns[p].invars[0]
@@ -94,16 +79,9 @@ def _leading_dim_after(layout_eqns) -> int | None:
     for layout in layout_eqns:
         if layout.primitive.name == "transpose":
             position = tuple(layout.params["permutation"]).index(position)
-        elif layout.primitive.name not in _SAME_DIMS_PRIMITIVES:
+        elif layout.primitive.name not in SAME_DIMS:
             return None
     return position
-
-
-# Layout ops that keep every dimension where it is.
-_SAME_DIMS_PRIMITIVES = {"convert_element_type", "copy", "copy_p", "sharding_constraint", "reshard",
-                         "mesh_cast"}
-_JAXPR_LAYOUT_PRIMITIVES = {"convert_element_type", "transpose", "reshape", "copy", "copy_p",
-                            "sharding_constraint", "reshard", "mesh_cast", "squeeze", "expand_dims"}
 
 
 def feeds_grouped_matmul(graph: nx.DiGraph, start: str) -> bool:
@@ -120,7 +98,7 @@ def feeds_grouped_matmul(graph: nx.DiGraph, start: str) -> bool:
             if is_grouped_matmul(graph, user):
                 return True
             out = dims_of(graph, user, 0)
-            if (graph.nodes[user]["opcode"] == "reshape" and len(leading) > 1
+            if (node_of(graph, user).opcode == "reshape" and len(leading) > 1
                     and out[: len(leading) - 1] == leading[: len(leading) - 1]):
                 continue  # reshaped back to (batch, seq, ...): the token region ends here
             queue.append(user)
@@ -135,18 +113,18 @@ def is_grouped_matmul(graph: nx.DiGraph, node: str) -> bool:
     cannot tell from any other dot; the jaxpr can, so `build_graph` marks the dots at the
     source lines of `ragged_dot_general` equations `grouped_matmul`.
     """
-    data = graph.nodes[node]
-    opcode = data["opcode"]
+    data = node_of(graph, node)
+    opcode = data.opcode
     if opcode in ("ragged-dot", "ragged_dot"):
         return True
     if opcode == "custom-call":
-        target = data["instr"].custom_call_target.lower()
+        target = data.instr.custom_call_target.lower()
         return any(w in target for w in _GMM_TARGET_WORDS)
     if opcode != "dot":
         return False
-    if data["grouped_matmul"]:
+    if data.grouped_matmul:
         return True
-    instr = data["instr"]
+    instr = data.instr
     for position, batch_dims in ((0, instr.lhs_batch_dims), (1, instr.rhs_batch_dims)):
         operand = operand_of(graph, node, position)
         if (operand is not None and len(dims_of(graph, *operand)) == 3 and 0 in batch_dims
@@ -157,10 +135,10 @@ def is_grouped_matmul(graph: nx.DiGraph, node: str) -> bool:
 
 def _from_parameter(graph, node, depth: int = 6) -> bool:
     for _ in range(depth):
-        data = graph.nodes[node]
-        if data["opcode"] == "parameter":
+        data = node_of(graph, node)
+        if data.opcode == "parameter":
             return True
-        if data["opcode"] not in _LAYOUT_OPS:
+        if data.opcode not in WEIGHT_PATH_OPCODES:
             return False
         src = operand_of(graph, node, 0)
         if src is None:

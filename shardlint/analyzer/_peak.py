@@ -23,14 +23,15 @@ import bisect
 import dataclasses
 
 from ._buffers import Allocation, Slot
-from ._collectives import KINDS, primitive_of
+from .._vocab import COLLECTIVE_KINDS, BufferRole, CollectiveKind
+from ._collectives import primitive_of
 from ._frames import shown_frames
 from ._hlo import HloModule, Instruction
 from ._live_range import LiveRanges
 from ._model import Collective, PeakBuffer, Source
-from ._stack import display_path, user_stack
+from ._stack import user_sources
 
-_ROLES = ("temp", "argument", "output", "constant")
+_ROLES = (BufferRole.TEMP, BufferRole.ARGUMENT, BufferRole.OUTPUT, BufferRole.CONSTANT)
 # The ops of temp no buffer holds: what the executable counts beyond its buffer assignment,
 # and bytes of the temp allocation no buffer uses.
 RUNTIME, PADDING = "runtime", "padding"
@@ -40,7 +41,8 @@ _THROUGH = {"get-tuple-element", "bitcast", "copy", "reshape", "transpose", "con
             "all-gather-done", "all-to-all-done", "collective-permute-done", "async-done",
             "copy-start", "copy-done", "dynamic-slice", "slice"}
 _HOPS = 2
-_MOVING = {"all-gather", "all-to-all", "ragged-all-to-all", "collective-permute", "collective-broadcast"}
+_MOVING = {CollectiveKind.ALL_GATHER, CollectiveKind.ALL_TO_ALL, CollectiveKind.RAGGED_ALL_TO_ALL,
+           CollectiveKind.COLLECTIVE_PERMUTE, CollectiveKind.COLLECTIVE_BROADCAST}
 
 
 def peak_buffers(allocations: tuple[Allocation, ...], live: LiveRanges, module: HloModule,
@@ -51,14 +53,14 @@ def peak_buffers(allocations: tuple[Allocation, ...], live: LiveRanges, module: 
     by_name = {i.name: i for i in module.instructions()}
     by_id = {c.id: c for c in collectives}
     found: list[PeakBuffer] = []
-    assigned = sum(a.size for a in allocations if a.role == "temp")
+    assigned = sum(a.size for a in allocations if a.role == BufferRole.TEMP)
     if temp_bytes is not None and temp_bytes > assigned:
         found.append(_unlisted(RUNTIME, temp_bytes - assigned, "buffers the runtime keeps outside the "
                                "buffer assignment (a TPU executable's HBM logging buffer, scratch)"))
     for allocation in allocations:
         if allocation.role not in _ROLES:
             continue
-        if allocation.role == "temp":
+        if allocation.role == BufferRole.TEMP:
             held = _painted(allocation, live)
             unused = allocation.size - sum(held.values())
             if unused > 0:
@@ -74,7 +76,7 @@ def peak_buffers(allocations: tuple[Allocation, ...], live: LiveRanges, module: 
 
 def _unlisted(op: str, nbytes: int, what: str) -> PeakBuffer:
     """Temp that no buffer of the buffer assignment holds, as one entry that says why."""
-    return PeakBuffer(value="", role="temp", bytes=nbytes, size=nbytes, alive=True, shape="", op=op,
+    return PeakBuffer(value="", role=BufferRole.TEMP, bytes=nbytes, size=nbytes, alive=True, shape="", op=op,
                       op_path=what, source=None)
 
 
@@ -107,11 +109,10 @@ def _paint(painted: list[tuple[int, int]], start: int, end: int) -> int:
     return fresh
 
 
-def _buffer(slot: Slot, nbytes: int, role: str, live: LiveRanges, by_name, by_id) -> PeakBuffer:
+def _buffer(slot: Slot, nbytes: int, role: BufferRole, live: LiveRanges, by_name, by_id) -> PeakBuffer:
     instr = by_name.get(slot.value.split("{", 1)[0])
     op_path = instr.op_name if instr is not None else ""
-    frames = user_stack(instr.stack) if instr is not None else ()
-    stack = tuple(Source(display_path(f.file), f.line, f.function) for f in frames)
+    stack = user_sources(instr.stack) if instr is not None else ()
     collective = _collective_behind(instr, by_name, by_id) if instr is not None else None
     op = ("parameter" if instr is not None and instr.opcode == "parameter"
           else primitive_of(op_path) or (instr.opcode if instr is not None else ""))
@@ -131,7 +132,7 @@ def _collective_behind(instr: Instruction, by_name, by_id) -> Collective | None:
     while frontier:
         node, hops = frontier.pop(0)
         base = node.opcode.removesuffix("-start").removesuffix("-done")
-        if base in KINDS and (hops == 0 or base in _MOVING):
+        if base in COLLECTIVE_KINDS and (hops == 0 or base in _MOVING):
             start = node if not node.opcode.endswith("-done") else by_name.get(node.operands[0])
             found = by_id.get(start.name if start is not None else node.name)
             if found is not None:
@@ -169,7 +170,7 @@ class PeakLine:
     source: Source | None        # the user's line (past helpers shared by several callers)
     via: Source | None           # the innermost frame, where a helper stands between
     op: str                      # the op of its largest buffer
-    role: str
+    role: BufferRole
     bytes: int
     free: int                    # of `bytes`, slots free at the peak (kept for these buffers)
     buffers: int
@@ -192,7 +193,7 @@ def unsourced(line) -> str:
     return f"{line.name or line.role} (no source line)"
 
 
-def peak_lines(buffers: tuple[PeakBuffer, ...], role: str | None = "temp",
+def peak_lines(buffers: tuple[PeakBuffer, ...], role: BufferRole | None = BufferRole.TEMP,
                helpers: frozenset = frozenset()) -> tuple[PeakLine, ...]:
     """`buffers` grouped by the user's line (past `helpers`, `_frames.helper_frames`) and
     role (only `role`'s, unless None), largest first."""

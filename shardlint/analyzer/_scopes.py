@@ -27,7 +27,7 @@ class Traffic:
         return Traffic(self.count + other.count, self.bytes + other.bytes)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class ScopeNode:
     """One scope of the tree: its own name, its full path, what it and its sub-scopes move
     in each direction, by collective kind, and its sub-scopes by name."""

@@ -19,7 +19,7 @@ from jax.extend.mlir.dialects import sdy
 _ASKING_OPS = ("sdy.sharding_constraint", "sdy.reshard", "sdy.manual_computation")
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Asked:
     op: str                          # "sharding_constraint", "reshard" or "shard_map"
     file: str                        # the innermost frame of `stack`
@@ -43,7 +43,8 @@ def asked_for(module) -> tuple[Asked, ...]:
         else:
             kind = op.name.split(".", 1)[1]
             dims = _dims(op.attributes["sharding"]) if "sharding" in op.attributes else ()
-        found.append(Asked(kind, *stack[0], dims, stack, _shape(op)))
+        file, line = stack[0]
+        found.append(Asked(op=kind, file=file, line=line, dims=dims, stack=stack, shape=_shape(op)))
     return tuple(found)
 
 

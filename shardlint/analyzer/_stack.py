@@ -7,7 +7,8 @@ frame of a MaxText constraint is always the same helper line, so a finding must 
 frames that are the user's: this module drops frames inside JAX and the libraries around it,
 the Python standard library and shardlint's own machinery, decided by where the file lies on
 disk, and renders the rest relative to the working directory or the `sys.path` entry that
-holds it. Paths in XLA's tables are absolute, as JAX recorded them when it traced.
+holds it. Paths in XLA's tables are absolute, as JAX recorded them when it traced; frames
+are `Source` records with those paths until `shown` gives them the path a user reads.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ import os
 import sys
 import sysconfig
 from pathlib import PurePath
+
+from ._model import Source
 
 # Frames inside these installed packages are never the user's: JAX and the libraries
 # around it, and the test runner a step may be analyzed under.
@@ -34,14 +37,7 @@ _INSTALL_DIRS = ("site-packages", "dist-packages")
 _TABLES = ("FileNames", "FunctionNames", "FileLocations", "StackFrames")
 
 
-@dataclasses.dataclass(frozen=True)
-class SourceLocation:
-    file: str
-    line: int
-    function: str = ""
-
-
-def parse_stack_frames(lines: list[str]) -> dict[int, tuple[SourceLocation, ...]]:
+def parse_stack_frames(lines: list[str]) -> dict[int, tuple[Source, ...]]:
     """Maps each `stack_frame_id` of a module's tables to its stack, innermost frame first."""
     tables: dict[str, dict[int, str]] = {}
     section = None
@@ -64,14 +60,14 @@ def parse_stack_frames(lines: list[str]) -> dict[int, tuple[SourceLocation, ...]
     locations = {}
     for k, v in tables.get("FileLocations", {}).items():
         row = _fields(v)
-        locations[k] = SourceLocation(files.get(row.get("file_name_id", 0), ""), row.get("line", 0),
-                                      functions.get(row.get("function_name_id", 0), ""))
+        locations[k] = Source(files.get(row.get("file_name_id", 0), ""), row.get("line", 0),
+                              functions.get(row.get("function_name_id", 0), ""))
     rows = {k: _fields(v) for k, v in tables.get("StackFrames", {}).items()}
     # XLA prints `parent_frame_id` as the proto's value plus one (HloModule::Print in XLA of
     # JAX 0.10.2 and 0.12.0.1), so a root frame (parent 0) prints 1. A printer that wrote the
     # proto's value as it is would print 0 for the first frame, which is always a root.
     shift = 0 if any(r.get("parent_frame_id") == 0 for r in rows.values()) else 1
-    stacks: dict[int, tuple[SourceLocation, ...]] = {}
+    stacks: dict[int, tuple[Source, ...]] = {}
     for k in rows:
         stack, seen, frame = [], set(), k
         while frame in rows and frame not in seen:
@@ -84,12 +80,22 @@ def parse_stack_frames(lines: list[str]) -> dict[int, tuple[SourceLocation, ...]
     return stacks
 
 
-def user_stack(stack: tuple[SourceLocation, ...]) -> tuple[SourceLocation, ...]:
+def user_stack(stack: tuple[Source, ...]) -> tuple[Source, ...]:
     """The frames of a stack that are the user's code (at most `MAX_FRAMES`, innermost
     first); the innermost frame if none is."""
     kept = tuple(frame for frame in stack
                  if not is_library_file(frame.file) and not is_jax_shim(frame.file, frame.function))
     return kept[:MAX_FRAMES] or tuple(stack[:1])
+
+
+def shown(frame: Source) -> Source:
+    """The frame with its file as a user reads it (`display_path`)."""
+    return dataclasses.replace(frame, file=display_path(frame.file))
+
+
+def user_sources(stack: tuple[Source, ...]) -> tuple[Source, ...]:
+    """`user_stack`, each frame `shown`: what records carry."""
+    return tuple(shown(frame) for frame in user_stack(stack))
 
 
 # The public JAX namespaces a library may patch in place.

@@ -27,7 +27,7 @@ _REMAT_RE = re.compile(
 _OP_NAME_RE = re.compile(r'op_name="((?:[^"\\]|\\.)*)"')
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Remat:
     """One involuntary full rematerialization: XLA replicated a value to reshard it."""
 
@@ -71,6 +71,6 @@ def involuntary_rematerializations(text: str) -> tuple[Remat, ...]:
     found = []
     for m in _REMAT_RE.finditer(text):
         op_name = _OP_NAME_RE.search(m.group("rest"))
-        found.append(Remat(m.group("name").rstrip(".,"), m.group("source"), m.group("target"),
-                           op_name.group(1) if op_name else ""))
+        found.append(Remat(instruction=m.group("name").rstrip(".,"), source_sharding=m.group("source"),
+                           target_sharding=m.group("target"), op_name=op_name.group(1) if op_name else ""))
     return tuple(dict.fromkeys(found))

@@ -13,11 +13,13 @@ import os
 import shlex
 from typing import Callable
 
+from .._vocab import COLLECTIVE_KINDS
 from ..gate._baseline import BaselineError, read_baseline
 from ..gate._compare import compare, mesh_text, parse_kinds, parse_tolerance
 from ..gate._formats import render
 from ..gate._gate import BaselineRef, default_root, record
 from ..gate._wording import headline
+
 
 def update_command(target: str | None, mesh: str | None, baseline: str, root: str | None = None,
                    devices: int | None = None, options: list[str] | None = None,
@@ -40,8 +42,6 @@ def run_check(args, *, analysis_of: Callable, progress: Callable[[str], None],
     (argparse). `analysis_of()` analyzes the step (or reads its dump) once the options and
     the baseline are known to be good. Returns the exit code: 0 passed or recorded, 1 a
     watched collective is new or grew; errors raise ShardlintError (2)."""
-    from ..analyzer._collectives import KINDS
-
     kinds = parse_kinds(args.kinds)
     tolerance = parse_tolerance(args.tolerance)
     root = os.path.abspath(args.root) if args.root else default_root()
@@ -66,7 +66,7 @@ def run_check(args, *, analysis_of: Callable, progress: Callable[[str], None],
     except BaselineError:
         previous = None
     written: list[str] = []
-    baseline = record(analysis, BaselineRef(args.baseline, update=True,
+    baseline = record(analysis, BaselineRef(path=args.baseline, update=True,
                                             target=args.target or f"--xla-dump {args.xla_dump}",
                                             on_write=written.append), root)
     what = (f"{len(baseline.entries)} collective key(s) on mesh {mesh_text(baseline.mesh)}, "
@@ -74,7 +74,7 @@ def run_check(args, *, analysis_of: Callable, progress: Callable[[str], None],
     out(f"shardlint: wrote baseline {args.baseline} ({what})" if written else
         f"shardlint: baseline {args.baseline} is up to date ({what})")
     if previous is not None:
-        changes = compare(analysis, previous, root=root, kinds=KINDS).changes
+        changes = compare(analysis, previous, root=root, kinds=COLLECTIVE_KINDS).changes
         for change in changes:
             out(f"  accepted: {headline(change)}  [{change.key}]")
     return 0

@@ -23,9 +23,8 @@ from ._formats import render as render
 from ._gate import BaselineRef as BaselineRef
 from ._gate import check_step as check_step
 from ._gate import default_root as default_root
+from ._keys import CollectiveKey as CollectiveKey
 from ._keys import collective_key as collective_key
-from ._keys import key_parts as key_parts
 from ..analyzer._op_paths import normalize_op_path as normalize_op_path
 from .._format import relative_source as relative_source
-from ._keys import split_key as split_key
 from ._sarif import sarif_json as sarif_json

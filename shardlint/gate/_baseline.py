@@ -20,7 +20,7 @@ from collections.abc import Iterable
 
 from .._errors import ShardlintError
 from ..analyzer import Analysis, Collective
-from ._keys import collective_key, key_parts
+from ._keys import CollectiveKey
 
 SCHEMA = "shardlint.baseline/2"
 DEFAULT_BASELINE = "shardlint.baseline.json"   # where `shardlint check` reads and writes it
@@ -30,7 +30,7 @@ class BaselineError(ShardlintError):
     """The baseline file is missing, unreadable, or not a `shardlint.baseline/2` document."""
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Entry:
     """All collectives of one key: how many there are and the bytes they move per device."""
 
@@ -41,7 +41,7 @@ class Entry:
     bytes: int
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Baseline:
     entries: tuple[Entry, ...]   # sorted by key
     mesh: dict[str, int]
@@ -56,16 +56,15 @@ def group_by_key(collectives: Iterable[Collective], root: str) -> dict[str, list
     """Collectives grouped by stable key; within a key the largest first, then by id."""
     groups: dict[str, list[Collective]] = {}
     for c in collectives:
-        groups.setdefault(collective_key(c, root), []).append(c)
+        groups.setdefault(str(CollectiveKey.of(c, root)), []).append(c)
     for members in groups.values():
         members.sort(key=lambda c: (-c.bytes, c.id))
     return dict(sorted(groups.items()))
 
 
 def entry_of(key: str, members: list[Collective], root: str) -> Entry:
-    kind, _axes, _path, where, _shape = key_parts(members[0], root)
-    file = where.rpartition(":")[0] if where != "-" else ""
-    return Entry(key=key, kind=kind, file=file, count=len(members),
+    parts = CollectiveKey.of(members[0], root)
+    return Entry(key=key, kind=parts.kind, file=parts.file, count=len(members),
                  bytes=sum(c.bytes for c in members))
 
 

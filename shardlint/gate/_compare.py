@@ -15,19 +15,18 @@ import dataclasses
 import math
 
 from .._errors import UsageError
+from .._vocab import COLLECTIVE_KINDS, ChangeState, CollectiveKind
 from ..analyzer import Analysis, Collective, Finding
-from ..analyzer._collectives import KINDS
 from ._baseline import Baseline, Entry, entry_of, group_by_key
 from .._format import relative_source
-from ._keys import split_key
+from ._keys import CollectiveKey
 
-DEFAULT_KINDS = ("all-gather",)
-NEW, GROWN, GONE, SHRUNK = "new", "grown", "gone", "shrunk"
+DEFAULT_KINDS = (CollectiveKind.ALL_GATHER,)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Change:
-    status: str                  # new | grown (fail), gone | shrunk (improvement)
+    status: ChangeState          # new | grown (fail), gone | shrunk (improvement)
     key: str
     kind: str
     file: str                    # relative to the project root, "" when unknown
@@ -40,14 +39,18 @@ class Change:
 
     @property
     def is_regression(self) -> bool:
-        return self.status in (NEW, GROWN)
+        return self.status in (ChangeState.NEW, ChangeState.GROWN)
+
+    @property
+    def parts(self) -> CollectiveKey | None:
+        """The key's fields (None for a baseline key of another form)."""
+        return CollectiveKey.parse(self.key)
 
     @property
     def axes(self) -> tuple[str, ...]:
         if self.collectives:
             return self.collectives[0].axes
-        parts = split_key(self.key)
-        return tuple(parts[1].split(",")) if parts and parts[1] != "-" else ()
+        return self.parts.axes if self.parts else ()
 
     @property
     def function(self) -> str:
@@ -55,8 +58,7 @@ class Change:
         for c in self.collectives:
             if c.source and c.source.function:
                 return c.source.function
-        parts = split_key(self.key)
-        return parts[3].rpartition(":")[2] if parts and parts[3] != "-" else ""
+        return self.parts.function if self.parts else ""
 
     def lines(self, root: str) -> tuple[tuple[str, int], ...]:
         """Distinct (relative file, line) of the current collectives, largest first."""
@@ -69,7 +71,7 @@ class Change:
         return tuple(seen)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class CheckResult:
     baseline_path: str
     root: str
@@ -115,12 +117,12 @@ def parse_kinds(text: str) -> tuple[str, ...]:
     """`all-gather,all-to-all` -> ("all-gather", "all-to-all"); `all` watches every kind."""
     words = [w.strip() for w in text.split(",") if w.strip()]
     if words == ["all"]:
-        return KINDS
-    unknown = [w for w in words if w not in KINDS]
+        return COLLECTIVE_KINDS
+    unknown = [w for w in words if w not in COLLECTIVE_KINDS]
     if unknown or not words:
         raise UsageError(f"--kinds: unknown collective kind {', '.join(unknown) or repr(text)}; "
-                         f"choose from {', '.join(KINDS)} (comma-separated) or 'all'")
-    return tuple(dict.fromkeys(words))
+                         f"choose from {', '.join(COLLECTIVE_KINDS)} (comma-separated) or 'all'")
+    return tuple(CollectiveKind(w) for w in dict.fromkeys(words))
 
 
 def parse_tolerance(text: str) -> float:
@@ -167,17 +169,20 @@ def _change(key: str, now: Entry | None, then: Entry | None, tolerance: float) -
     if now is None and then is None:
         return None
     if then is None:
-        return Change(NEW, key, now.kind, now.file, now.count, now.bytes, 0, 0)
+        return Change(status=ChangeState.NEW, key=key, kind=now.kind, file=now.file, count=now.count,
+                      bytes=now.bytes, baseline_count=0, baseline_bytes=0)
     if now is None:
-        return Change(GONE, key, then.kind, then.file, 0, 0, then.count, then.bytes)
+        return Change(status=ChangeState.GONE, key=key, kind=then.kind, file=then.file, count=0, bytes=0,
+                      baseline_count=then.count, baseline_bytes=then.bytes)
     allowed = then.bytes + math.floor(then.bytes * tolerance)
     if now.count > then.count or now.bytes > allowed:
-        status = GROWN
+        status = ChangeState.GROWN
     elif now.count < then.count or now.bytes < then.bytes:
-        status = SHRUNK
+        status = ChangeState.SHRUNK
     else:
         return None
-    return Change(status, key, now.kind, now.file, now.count, now.bytes, then.count, then.bytes)
+    return Change(status=status, key=key, kind=now.kind, file=now.file, count=now.count, bytes=now.bytes,
+                  baseline_count=then.count, baseline_bytes=then.bytes)
 
 
 def _findings_by_collective(findings: tuple[Finding, ...]) -> dict[str, list[Finding]]:

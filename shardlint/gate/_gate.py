@@ -19,7 +19,7 @@ from ._baseline import Baseline, baseline_of, read_baseline, write_baseline
 from ._compare import DEFAULT_KINDS, CheckResult, compare
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class BaselineRef:
     """Where a baseline lives and whether this run records it instead of checking it."""
 
@@ -50,7 +50,7 @@ def check_step(step: Callable | Analysis, *args, baseline: BaselineRef | str | o
     """Analyzes `step(*args)` (or takes a finished Analysis) and compares it with the
     baseline; with `baseline.update` it first records the current collectives, so the
     result passes and lists nothing."""
-    ref = baseline if isinstance(baseline, BaselineRef) else BaselineRef(os.fspath(baseline))
+    ref = baseline if isinstance(baseline, BaselineRef) else BaselineRef(path=os.fspath(baseline))
     root = os.path.abspath(root or ref.root or default_root())
     hint = ref.update_hint or f"shardlint check TARGET --mesh ... --baseline {ref.path} --update"
     before = None if ref.update else read_baseline(ref.path, how_to_create=hint)

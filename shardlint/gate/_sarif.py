@@ -11,7 +11,8 @@ from __future__ import annotations
 import hashlib
 import pathlib
 
-from ._compare import GONE, GROWN, NEW, SHRUNK, Change, CheckResult
+from .._vocab import ChangeState
+from ._compare import Change, CheckResult
 from ._wording import explanation, headline
 
 SARIF_SCHEMA = "https://json.schemastore.org/sarif-2.1.0.json"
@@ -32,7 +33,7 @@ _RULES = (
      "A watched collective that went away or moves fewer bytes",
      "An improvement: record it with `shardlint check ... --update`. It never fails the gate."),
 )
-_RULE_OF = {NEW: 0, GROWN: 1, GONE: 2, SHRUNK: 2}
+_RULE_OF = {ChangeState.NEW: 0, ChangeState.GROWN: 1, ChangeState.GONE: 2, ChangeState.SHRUNK: 2}
 
 
 def sarif_json(result: CheckResult) -> dict:

@@ -4,7 +4,8 @@ GitHub annotations, SARIF): what changed and how big, where, and which finding e
 from __future__ import annotations
 
 from .._format import human_bytes, relative_source
-from ._compare import GROWN, NEW, SHRUNK, Change
+from .._vocab import ChangeState
+from ._compare import Change
 
 
 def _copies(n: int) -> str:
@@ -17,13 +18,13 @@ def headline(change: Change) -> str:
     shape = f", {change.collectives[0].shape}" if change.collectives else ""
     now = f"{human_bytes(change.bytes)} per device"
     then = f"{human_bytes(change.baseline_bytes)} per device"
-    if change.status == NEW:
+    if change.status == ChangeState.NEW:
         more = f", {_copies(change.count)}" if change.count > 1 else ""
         return f"new {what} ({now}{shape}{more}) that the baseline lacks"
-    if change.status == GROWN:
+    if change.status == ChangeState.GROWN:
         return (f"{what} grew to {_copies(change.count)}, {now}{shape} "
                 f"(baseline: {_copies(change.baseline_count)}, {then})")
-    if change.status == SHRUNK:
+    if change.status == ChangeState.SHRUNK:
         return (f"{what} shrank to {_copies(change.count)}, {now}{shape} "
                 f"(baseline: {_copies(change.baseline_count)}, {then})")
     return f"{what} is gone (baseline: {_copies(change.baseline_count)}, {then})"

@@ -30,7 +30,7 @@ from .._errors import UsageError
 from .._format import human_bytes, source_text
 from ..analyzer import Analysis, Collective, Finding, Source, scope_tree
 from ..analyzer._op_paths import normalize_op_path
-from ..gate._keys import collective_key
+from ..gate import CollectiveKey, collective_key
 from ._svg import memory_chart_svg, neighbourhood_svg
 from ..analyzer._peak import peak_lines
 from ._data import sweep_scalings
@@ -174,12 +174,13 @@ def collective_rows(before: Analysis, after: Analysis | None, root: str) -> list
     for side, analysis in (("b", before), ("a", after)):
         helpers = helper_frames(analysis) if analysis else frozenset()
         for c in analysis.collectives if analysis else ():
-            key = collective_key(c, root)
+            parts = CollectiveKey.of(c, root)
+            key = str(parts)
             row = groups.get(key)
             if row is None:
                 row = groups[key] = {
-                    "key": key, "anchor": anchor(key), "kind": c.kind, "axes": ",".join(c.axes) or "-",
-                    "shape": c.shape, "shape_text": shape_text(c.shape), "op_path": c.op_path, "path": normalize_op_path(c.op_path) or c.op_path,
+                    "key": key, "anchor": anchor(key), "kind": parts.kind, "axes": ",".join(parts.axes) or "-",
+                    "shape": parts.shape, "shape_text": shape_text(parts.shape), "op_path": c.op_path, "path": normalize_op_path(c.op_path) or c.op_path,
                     "where": _frames(c, helpers, root), "cause": c.cause or "-",
                     "function": c.source.function if c.source else "", "async": False, "loop": False,
                     "b_count": 0, "b_bytes": 0, "a_count": 0, "a_bytes": 0, "ids": []}

@@ -81,8 +81,8 @@ def _trim(nb: Neighbourhood) -> Neighbourhood:
     focus = [n.id for n in nb.nodes if n.focus] or [nb.nodes[0].id]
     dist = nx.multi_source_dijkstra_path_length(g, focus)
     keep = set(sorted(dist, key=lambda n: dist[n])[:_MAX_NODES])
-    return Neighbourhood(tuple(n for n in nb.nodes if n.id in keep),
-                         tuple(e for e in nb.edges if e[0] in keep and e[1] in keep))
+    return Neighbourhood(nodes=tuple(n for n in nb.nodes if n.id in keep),
+                         edges=tuple(e for e in nb.edges if e[0] in keep and e[1] in keep))
 
 
 def neighbourhood_svg(nb: Neighbourhood | None, lost_axes: tuple[str, ...] = ()) -> Markup:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 
 from .._format import clip, human_bytes
+from .._vocab import FindingKind
 from ..analyzer import Analysis, scope_tree
-from ..analyzer._model import DROPPED, REMATERIALIZED, RESHARDED, UNSPLIT
 from ..analyzer._peak import peak_lines, unsourced
 from ..analyzer._frames import frames_text, helper_frames
 
@@ -34,7 +34,7 @@ def format_text(analysis: Analysis, title: str = "", fit=None) -> str:
             if f.collectives:
                 lines.append(f"      costs: {', '.join(f.collectives)} ({human_bytes(f.bytes)} per device"
                              f" per step{_loop_note(analysis, f.collectives)})")
-            elif f.kind == DROPPED:
+            elif f.kind == FindingKind.DROPPED:
                 lines.append("      costs: no collective linked (XLA may recompute or replicate instead)")
             lines.append(f"      way out: {f.way_out}")
     else:
@@ -107,11 +107,11 @@ def _compiler(analysis: Analysis) -> str:
 
 
 def _headline(f) -> str:
-    if f.kind == REMATERIALIZED:
+    if f.kind == FindingKind.REMATERIALIZED:
         return f"{f.op}: involuntary full rematerialization"
-    if f.kind == UNSPLIT:
+    if f.kind == FindingKind.UNSPLIT:
         return f"{f.op} cannot be split: its inputs are gathered over {', '.join(f.axes)}"
-    if f.kind == RESHARDED:
+    if f.kind == FindingKind.RESHARDED:
         return f"{f.op} reshards an operand over {', '.join(f.axes)}"
     return f"{f.op} drops {', '.join(f.axes)}"
 

@@ -18,7 +18,7 @@ def test_a_helper_reached_from_several_callers_is_shown_after_the_users_line():
     gate = _collective("a", HELPER, WRAPPER, Source("maxtext/layers/moe.py", 3969, "dense_matmul"))
     other = _collective("b", HELPER, WRAPPER, Source("maxtext/layers/moe.py", 3659, "reshape"))
     plain = _collective("c", Source("model.py", 7, "layer"), Source("train.py", 3, "main"))
-    analysis = Analysis(mesh={"context": 4}, memory=Memory(0, 0, 0, 0, None, None),
+    analysis = Analysis(mesh={"context": 4}, memory=Memory.empty(),
                         collectives=(gate, other, plain), findings=(), requested=(),
                         versions={}, partitioner="shardy")
     helpers = helper_frames(analysis)

@@ -12,6 +12,7 @@ from shardlint import HloParseError
 from shardlint.analyzer import MeshInfo, collectives_of, parse_hlo
 from shardlint.analyzer._devices import parse_tuple_sharding
 from shardlint.analyzer._hlo_text import _parse_attrs
+from shardlint.analyzer._trips import trip_count
 
 from . import collective_steps
 
@@ -206,13 +207,13 @@ def test_trip_count_of_a_scan_of_4(tmp_path):
         "xla_dump_to": str(tmp_path), "xla_dump_hlo_pass_re": "shardy-xla|sharding-propagation"})
     partitioned = parse_hlo(compiled.as_text())
     (loop,) = [i for i in partitioned.instructions() if i.opcode == "while"]
-    assert loop.known_trip_count == 4 and partitioned.trip_count(loop) == 4
+    assert loop.known_trip_count == 4 and trip_count(partitioned, loop) == 4
     # The propagated module has no annotation; the count is read from the loop itself.
     dumps = sorted(p for p in tmp_path.iterdir() if p.suffix == ".txt"
                    and (".after_shardy-xla." in p.name or ".after_sharding-propagation." in p.name))
     propagated = parse_hlo(dumps[-1].read_text())
     (loop,) = [i for i in propagated.instructions() if i.opcode == "while"]
-    assert loop.known_trip_count is None and propagated.trip_count(loop) == 4
+    assert loop.known_trip_count is None and trip_count(propagated, loop) == 4
     # Every operand names an instruction of its computation, also where newer XLA writes a
     # tuple element inline (`%while.1#1`, JAX 0.12) instead of a get-tuple-element.
     for comp in propagated.computations.values():
@@ -253,6 +254,34 @@ ENTRY %main (q: s32[4]) -> s32[4] {
     assert [i.name for i in module.computations["on_sparsecore"].instructions] == ["p", "c"]
     with pytest.raises(HloParseError, match="HLO line 6"):
         parse_hlo(text.replace('}, execution_thread="sparsecore"', "}, sparsecore"))
+
+
+def test_an_unknown_element_type_is_refused_by_name():
+    text = """HloModule m
+
+ENTRY %main (p: f32[4]) -> f32[4] {
+  %p = f32[4]{0} parameter(0)
+  ROOT %q = f7e1m1[4]{0} convert(%p)
+}
+"""
+    with pytest.raises(HloParseError, match=r"HLO line 5: expected an element type whose size is known "
+                                            r"for %q, not 'f7e1m1'"):
+        parse_hlo(text)
+    assert parse_hlo(text.replace("f7e1m1", "f8e4m3fn")).entry.root.result[0].nbytes == 4
+
+
+def _narrow_types(x):
+    return (x.astype(jnp.bfloat16), x.astype(jnp.float8_e4m3fn), x.astype(jnp.float8_e5m2),
+            x.astype(jnp.int4), x.astype(jnp.uint4), x > 0, x.astype(jnp.int8),
+            x.astype(jnp.uint32), x.astype(jnp.complex64), x.astype(jnp.float16))
+
+
+def test_the_element_types_xla_prints_are_known():
+    module = parse_hlo(jax.jit(_narrow_types).lower(jnp.ones((8, 16))).compile().as_text())
+    root = module.entry.root
+    assert {a.dtype for a in root.result} == {"bf16", "f8e4m3fn", "f8e5m2", "s4", "u4", "pred", "s8",
+                                               "u32", "c64", "f16"}
+    assert sum(a.nbytes for a in root.result) == 8 * 16 * (2 + 1 + 1 + 1 + 1 + 1 + 1 + 4 + 8 + 2)
 
 
 def test_an_attribute_value_over_several_lines_is_one_instruction():

@@ -26,7 +26,8 @@ from jax.sharding import AxisType
 
 from shardlint import HloParseError
 from shardlint.analyzer import MeshInfo
-from shardlint.analyzer._collectives import collectives_of, executions
+from shardlint.analyzer._collectives import collectives_of
+from shardlint.analyzer._trips import executions, trip_count
 from shardlint.analyzer._graph import build_graph
 from shardlint.analyzer._hlo import Instruction, parse_hlo
 from shardlint.examples import steps
@@ -104,7 +105,7 @@ def read_module(text: str, mesh: MeshInfo) -> None:
         for view in _VIEWS:
             getattr(instr, view)
         if instr.opcode == "while":
-            module.trip_count(instr)
+            trip_count(module, instr)
 
 
 @pytest.fixture(scope="module")

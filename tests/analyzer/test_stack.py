@@ -13,9 +13,9 @@ import pytest
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from shardlint.analyzer import _detect, _hlo
+from shardlint.analyzer import Source, _detect, _hlo
 from shardlint.analyzer._hlo import parse_hlo
-from shardlint.analyzer._stack import SourceLocation, display_path, user_stack
+from shardlint.analyzer._stack import display_path, user_stack
 from shardlint.examples import steps
 from shardlint.moe import _routing
 
@@ -87,18 +87,18 @@ def test_library_frames_are_dropped_from_a_real_stack():
             assert [f for f in kept if f.file == __file__] == [f for f in stack if f.file == __file__]
 
 
-def _frame(module, line=1) -> SourceLocation:
-    return SourceLocation(os.path.abspath(module.__file__), line)
+def _frame(module, line=1) -> Source:
+    return Source(os.path.abspath(module.__file__), line)
 
 
 def test_user_stack_keeps_model_code_and_drops_machinery():
-    user = SourceLocation("/home/me/model/layers.py", 12)
+    user = Source("/home/me/model/layers.py", 12)
     stack = (_frame(jax), _frame(jnp), _frame(np), _frame(contextlib), _frame(functools), _frame(_hlo), _frame(_detect),
              _frame(_routing), user, _frame(steps),
-             SourceLocation("/opt/env/lib/python3.9/site-packages/flax/linen/linear.py", 287),
-             SourceLocation("/opt/env/lib/python3.9/site-packages/shardlint/gate/_gate.py", 3),
-             SourceLocation("/opt/env/lib/python3.9/site-packages/maxtext/layers/moe.py", 3969),
-             SourceLocation("/usr/lib/python3.9/contextlib.py", 79))
+             Source("/opt/env/lib/python3.9/site-packages/flax/linen/linear.py", 287),
+             Source("/opt/env/lib/python3.9/site-packages/shardlint/gate/_gate.py", 3),
+             Source("/opt/env/lib/python3.9/site-packages/maxtext/layers/moe.py", 3969),
+             Source("/usr/lib/python3.9/contextlib.py", 79))
     kept = user_stack(stack)
     assert kept == (_frame(_routing), user, _frame(steps), stack[12])
 
@@ -109,8 +109,8 @@ def test_the_console_script_launcher_is_not_a_user_frame():
     import os
     import sysconfig
 
-    launcher = SourceLocation(os.path.join(sysconfig.get_paths()["scripts"], "shardlint"), 8)
-    user = SourceLocation("/home/me/model.py", 12)
+    launcher = Source(os.path.join(sysconfig.get_paths()["scripts"], "shardlint"), 8)
+    user = Source("/home/me/model.py", 12)
     assert user_stack((user, launcher)) == (user,)
 
 
@@ -165,8 +165,8 @@ def test_xla_prints_the_parent_frame_plus_one():
     # XLA's HloModule::Print writes `parent_frame_id() + 1`: a root prints 1, the child of
     # frame 1 prints 2 (the same convention in the modules of JAX 0.10.2 and 0.12.0.1).
     (instr,) = parse_hlo(CHAIN_TEXT).entry.instructions
-    assert instr.stack == (SourceLocation("/src/layers/moe.py", 35, "route"),
-                           SourceLocation("/src/train.py", 153, "main"))
+    assert instr.stack == (Source("/src/layers/moe.py", 35, "route"),
+                           Source("/src/train.py", 153, "main"))
     assert instr.op_name == "route"
 
 

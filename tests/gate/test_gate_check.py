@@ -209,5 +209,5 @@ def test_assert_no_new_all_gathers(tmp_path, lossy, per_shard):
     with pytest.raises(AssertionError, match="new all-gather over context"):
         assert_no_new_all_gathers(lossy, baseline=path, root=ROOT)
     # recording accepts the current collectives; the next check passes
-    check_step(lossy, baseline=BaselineRef(path, update=True), root=ROOT)
+    check_step(lossy, baseline=BaselineRef(path=path, update=True), root=ROOT)
     assert assert_no_new_all_gathers(lossy, baseline=path, root=ROOT).changes == ()

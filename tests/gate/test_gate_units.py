@@ -14,9 +14,9 @@ import pytest
 
 from shardlint import UsageError
 from shardlint.analyzer import Analysis, Collective, Finding, Memory, Source
-from shardlint.gate import (SCHEMA, BaselineError, baseline_of, collective_key, compare, dumps,
+from shardlint.gate import (SCHEMA, BaselineError, CollectiveKey, baseline_of, collective_key, compare, dumps,
                             normalize_op_path, parse_kinds, parse_tolerance, read_baseline,
-                            relative_source, split_key, write_baseline)
+                            relative_source, write_baseline)
 
 ROOT = "/repo"
 
@@ -30,7 +30,7 @@ def _collective(id, kind="all-gather", axes=("context",), nbytes=6144, line=53,
 
 
 def _analysis(*collectives, findings=(), mesh=None):
-    return Analysis(mesh=mesh or {"data": 2, "context": 4}, memory=Memory(0, 0, 0, 0, None, None),
+    return Analysis(mesh=mesh or {"data": 2, "context": 4}, memory=Memory.empty(),
                     collectives=tuple(collectives), findings=tuple(findings), requested=(),
                     versions={"jax": "0.10.2"}, partitioner="shardy")
 
@@ -59,6 +59,20 @@ def test_forward_and_backward_copies_share_a_key():
     assert collective_key(fwd, ROOT) == collective_key(bwd, ROOT)
     assert collective_key(fwd, ROOT) == (
         "all-gather | context | reshape | model/moe.py:routed_moe | f32[2,64,16]")
+
+
+def test_a_key_reads_back_from_its_text():
+    with_source = _collective("all-gather", axes=("data", "context"))
+    without = dataclasses.replace(with_source, axes=(), op_path="p", xla_op_path="p", source=None,
+                                  xla_source=None)
+    for c in (with_source, without):
+        key = CollectiveKey.of(c, ROOT)
+        assert CollectiveKey.parse(str(key)) == key and str(key) == collective_key(c, ROOT)
+    key = CollectiveKey.of(with_source, ROOT)
+    assert (key.axes, key.primitive, key.file, key.function) == (
+        ("data", "context"), "reshape", "model/moe.py", "routed_moe")
+    assert str(CollectiveKey.of(without, ROOT)) == "all-gather | - | - | - | f32[2,64,16]"
+    assert CollectiveKey.parse("all-gather | context") is None
 
 
 def test_the_key_ignores_which_op_the_analysis_attributed_it_to():
@@ -216,4 +230,5 @@ def test_a_gone_collective_is_described_from_its_key():
     (change,) = result.improvements
     assert change.status == "gone" and change.collectives == ()
     assert change.axes == ("context",) and change.function == "routed_moe"
-    assert split_key(change.key)[2] == "reshape"
+    assert change.parts.primitive == "reshape"
+    assert str(change.parts) == change.key

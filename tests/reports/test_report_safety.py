@@ -28,7 +28,7 @@ def _hostile(analysis: Analysis, tmp_path) -> tuple[Analysis, Source]:
     finding = dataclasses.replace(
         analysis.findings[0], op=EVIL, op_path=EVIL + IMG, message=EVIL, way_out=IMG, source=src,
         operand_shape=EVIL, result_shape=IMG, axes=("context",),
-        neighbourhood=Neighbourhood(nodes, (('n"1', "n2"),)))
+        neighbourhood=Neighbourhood(nodes=nodes, edges=(('n"1', "n2"),)))
     first = analysis.collectives[0]
     collective = dataclasses.replace(first, op_path=EVIL, shape=IMG, source=src,
                                      id=finding.collectives[0] if finding.collectives else first.id)

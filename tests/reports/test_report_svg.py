@@ -12,9 +12,10 @@ from shardlint.reports._svg import (ideal_line, layout_neighbourhood, memory_cha
 def _nb(edges, focus="r"):
     ids = sorted({n for e in edges for n in e})
     shapes = {"x": "f32[4,64] P('data', 'context')", "r": "f32[256] P('data')"}
-    return Neighbourhood(tuple(GraphNode(i, "reshape" if i == focus else "add",
-                                         shapes.get(i, "f32[256] P(None)"), None, i == focus)
-                               for i in ids), tuple(edges))
+    return Neighbourhood(nodes=tuple(GraphNode(id=i, op="reshape" if i == focus else "add",
+                                               shape=shapes.get(i, "f32[256] P(None)"), source=None,
+                                               focus=i == focus)
+                                     for i in ids), edges=tuple(edges))
 
 
 def test_layers_follow_edges_and_sources_sit_next_to_their_consumer():

@@ -149,7 +149,7 @@ def test_fit_counts_aliased_outputs_once_and_takes_the_peak_when_larger():
 def test_hbm_table_and_bad_limit():
     assert [fitting.hbm_gib(t) for t in ("v4:2x2x1", "v5e:2x2", "v5p:2x2x1", "v6e:2x2", "v9:1x1")] \
         == [32, 16, 95, 32, None]
-    mem = Memory(1, 1, 1, 0, None, None)
+    mem = Memory(argument_bytes=1, output_bytes=1, temp_bytes=1, alias_bytes=0, peak_bytes=None, flops=None)
     with pytest.raises(topo.TopologyError, match="--hbm-gib must be > 0"):
         fitting.fit_of(_analysis(mem, None), 0)
 
