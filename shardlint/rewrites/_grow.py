@@ -25,12 +25,12 @@ import functools
 
 from .. import _jax
 from .._errors import RewriteError
+from .._token_axes import TokenAxes, as_axes
 from ..analyzer._detect import reshape_groups
 from ..analyzer._patterns import is_expert_batched_eqn, is_grouped_matmul_eqn, reads_expert_weights
 from ..analyzer._stack import display_path
 from . import _refusals
 from ._subjaxprs import sub_of
-from ._trace import TokenAxes, entry_axes
 
 # Routing ops that XLA's partitioner may not split along batch or sequence (it gathers
 # their inputs); where the analysis found that, they run per shard.
@@ -262,7 +262,7 @@ def _merges_seq(eqn, specs, axes: TokenAxes) -> bool:
     shape_in, shape_out = eqn.invars[0].aval.shape, eqn.outvars[0].aval.shape
     for ins, outs in reshape_groups(shape_in, shape_out):
         if len(ins) > 1 and len(outs) == 1 and any(
-                set(axes.seq) & set(entry_axes(src[d])) for d in ins if d < len(src)):
+                set(axes.seq) & set(as_axes(src[d])) for d in ins if d < len(src)):
             return True
     return False
 
@@ -275,7 +275,7 @@ def _splits_tokens(eqn, specs, axes: TokenAxes) -> bool:
     shape_in, shape_out = eqn.invars[0].aval.shape, eqn.outvars[0].aval.shape
     for ins, outs in reshape_groups(shape_in, shape_out):
         if len(ins) == 1 and len(outs) > 1 and any(
-                set(axes.seq) & set(entry_axes(out[d])) for d in outs if d < len(out)):
+                set(axes.seq) & set(as_axes(out[d])) for d in outs if d < len(out)):
             return True
     return False
 

@@ -28,7 +28,8 @@ from ._emit import emit
 from ._jitted import jitted_like
 from ._regions import plan_regions
 from ._step import JittedStep
-from ._trace import TokenAxes, Tokens, trace_step, user_frame_of
+from .._token_axes import TokenAxes
+from ._trace import Tokens, trace_step, user_frame_of
 
 
 class RewrittenStep(JittedStep):
@@ -323,7 +324,7 @@ def _lost_in(step, args, progress, analysis=None, params_argnums=None) -> _Lost:
 def _tokens_of(finding) -> Tokens:
     """The lost operand's batch and sequence: its first two dimensions' axes and sizes."""
     dims = finding.operand_dims
-    return Tokens(TokenAxes(tuple(finding.operand_spec[0]), tuple(finding.operand_spec[1])),
+    return Tokens(TokenAxes(tuple(finding.operand_spec[0]), tuple(finding.operand_spec[1]), "analysis"),
                   dims[0] if len(dims) > 1 else None, dims[1] if len(dims) > 1 else None)
 
 
