@@ -14,7 +14,7 @@ from jax.sharding import AxisType
 import shardlint
 from shardlint.examples import steps
 from shardlint.rewrites import RewrittenStep, verify_same
-from shardlint.rewrites._rewrite import random_like
+from shardlint.rewrites._verify import random_like
 
 SIZES = steps.Sizes(batch=8)  # two batch rows per device at every mesh below
 CONTEXTS = [2, 4, 8]
