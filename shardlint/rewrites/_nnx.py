@@ -38,8 +38,8 @@ class NnxRewrittenStep(JittedStep):
         return self.inner.notes
 
     @property
-    def retraced(self):
-        return self.inner.retraced
+    def why_retraced(self) -> str | None:
+        return self.inner.why_retraced
 
     def _build(self, args):
         return self.step

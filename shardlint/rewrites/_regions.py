@@ -102,7 +102,7 @@ class _Planner:
     def __init__(self, axes, specs, doubly, capacity, local_of, seed_lines, per_shard_capacity, traces):
         self.grower = Grower(axes, specs, doubly, seed_lines, per_shard_capacity, capacity)
         self.local_of = local_of
-        self.retraced, self.unsure = bool(traces.retraced), traces.unsure
+        self.retraced, self.unsure = traces.why_retraced is not None, traces.unsure
 
     def level(self, jaxpr, consts, local, local_consts, *, scrambled_in=None,
               stacked_in=frozenset(), built_in=None, positional_in=frozenset(),

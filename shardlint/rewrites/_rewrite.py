@@ -46,8 +46,8 @@ def rewrite(step: Callable, mesh, *, verify: bool = False, args: tuple | None = 
     of the real shapes and a `RewriteError` is raised if any output differs beyond float32
     tolerance. A step whose Python does not trace at one shard's shapes (a mask of the
     configured length), or traces into other equations there, has its jaxpr traced there
-    instead (`result.retraced` says why) and its numbers verified so whenever `args` is
-    given. The result behaves like a jitted function (`__call__`, `trace`, `lower`);
+    instead (`result.retraced`; `result.why_retraced` says why) and its numbers verified so
+    whenever `args` is given. The result behaves like a jitted function (`__call__`, `trace`, `lower`);
     `result.changed` says whether anything was rewritten (known once built for some
     arguments: at once when `args` is given), and a `NothingToRewrite` warning says so
     when nothing was.

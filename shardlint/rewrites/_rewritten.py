@@ -69,9 +69,9 @@ class RewrittenStep(JittedStep):
         axes = tokens.axes
         traces = trace_step(self.step, args, dataclasses.replace(tokens, params_argnums=self.params_argnums),
                             self.mesh)
-        if traces.retraced:
-            self.retraced = traces.retraced
-            self.notes.append(f"{traces.retraced}: its jaxpr was traced there instead")
+        if traces.why_retraced is not None:
+            self.why_retraced = traces.why_retraced
+            self.notes.append(f"{traces.why_retraced}: its jaxpr was traced there instead")
             self.progress(self.notes[-1])
         plan = plan_regions(traces, axes, seed_lines=lost.lines if lost else frozenset(),
                             per_shard_capacity=self.per_shard_capacity)

@@ -52,8 +52,8 @@ class Traces:
     seq_jaxpr: object             # ... with only the sequence divided
     out_tree: object              # the step's output pytree
     jit_eqn: object | None        # a pre-jitted step's own jit equation
-    # why the step was traced at one shard's shapes from its global jaxpr ("" if it was not)
-    retraced: str = ""
+    # why the step was traced at one shard's shapes from its global jaxpr; None if it was not
+    why_retraced: str | None = None
     # Global Vars whose per-shard value the retraced jaxpr cannot tell (`_retrace`): built
     # from the configuration (a shard's shape only), or split by a guess nothing settled.
     unsure: frozenset = frozenset()
@@ -100,7 +100,7 @@ def trace_step(step: Callable, args: tuple, tokens: Tokens, mesh) -> Traces:
     both = [r for r in (retraced, seq_retraced) if r is not None]
     unsure = frozenset().union(*(r.stand_ins | r.guessed for r in both))
     return Traces(global_jaxpr, local_jaxpr, seq_jaxpr, out_tree[0], jit_eqn,
-                  both[0].why if both else "", unsure)
+                  both[0].why if both else None, unsure)
 
 
 def pair_vars(global_jaxpr, other_jaxpr) -> dict:

@@ -162,6 +162,7 @@ def test_the_jaxpr_traced_again_gives_the_same_rewrite(name, request):
     fixed = shardlint.rewrite(fn, mesh, args=args, analysis=before, **CASES[name][2])
     assert "(ValueError at tests/conftest.py" in fixed.notes[0]
     assert fixed.notes[0].endswith("its jaxpr was traced there instead")
+    assert fixed.retraced is True and fixed.notes[0].startswith(fixed.why_retraced)
     retraced = shardlint.analyze(fixed, *args)
     assert retraced.findings == after.findings == ()
     # Not to the byte: numbers the step's Python draws from array sizes keep their global

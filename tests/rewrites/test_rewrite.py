@@ -39,6 +39,8 @@ def _case(make_name: str, context: int):
 def test_rewritten_step_keeps_tokens_sharded_and_equal(make_name, context):
     mesh, fn, args, fixed, before, after = _case(make_name, context)
     assert isinstance(fixed, RewrittenStep)
+    # Its Python traced at one shard's shapes: no jaxpr was traced there instead.
+    assert fixed.retraced is False and fixed.why_retraced is None
     assert any(f.op == "reshape" and "context" in f.axes for f in before.findings)
     assert before.all_gathers(), "the original must show the bug"
     assert after.findings == ()
