@@ -31,7 +31,8 @@ from .._token_axes import TokenAxes, as_axes
 from . import _refusals
 from ._builders import Builders
 from ._groups import Group, boundaries, convex_groups
-from ._grow import Grower, consumers_of, variables
+from ._flow import consumers_of, variables
+from ._grow import Grower
 from ._subjaxprs import carries, sub_of
 from ._trace import Traces, pair_vars
 
