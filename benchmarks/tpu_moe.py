@@ -128,7 +128,7 @@ class Bench:
         """Today's path ("xla") or the layer's own choice ("auto"; interpret mode off a
         TPU), at a forced row tile if given."""
         return _gmm_plan.grouped_kernel("interpret" if self.interpret and name != "xla" else name,
-                                   row_tile=None if name == "xla" else row_tile)
+                                        row_tile=None if name == "xla" else row_tile)
 
     def data(self, E: int, K: int, init: Callable | None = None):
         """Config, params and x. With `init` (a layer's init) the params are drawn on the

@@ -219,8 +219,8 @@ class Grower:
                 routed_lines.add(_jax.user_frame(eqns[i]))
         keep = {i for i in routing if _jax.user_frame(eqns[i]) in routed_lines}
         return connected_parts(eqns, region, producer,
-                                lambda i: i in keep or is_grouped_matmul_eqn(eqns[i])
-                                or is_expert_batched_eqn(eqns[i], producer))
+                               lambda i: i in keep or is_grouped_matmul_eqn(eqns[i])
+                               or is_expert_batched_eqn(eqns[i], producer))
 
 
 def _routed_operands(eqn) -> list:
