@@ -102,7 +102,7 @@ def _measure(step, step_args, repeats: int, timed: bool) -> Point:
     import jax
 
     from shardlint import analyze
-    from shardlint.rewrites._rewrite import random_like
+    from shardlint.rewrites._verify import random_like
 
     analysis = analyze(step, *step_args, params_argnums=(0,))
     gathers: dict[str, int] = {}

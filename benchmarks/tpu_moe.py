@@ -26,7 +26,7 @@ far. The goals of issue 34 end the run as PASS / FAIL lines (exit status 1 on a 
 
 --sweep adds the single kernels at each row tile (forward NN, input-gradient NT and
 weight-gradient TN products, against ragged_dot and megablox gmm) and the permutation's
-pieces: what the tile choice in `_gmm` was measured from. Where the backend is not a TPU
+pieces: what the tile choice in `_gmm_plan` was measured from. Where the backend is not a TPU
 it prints one skip line and exits 0 (--allow-cpu runs it anyway with small sizes in
 Pallas interpret mode, to check the script; those numbers mean nothing).
 """
@@ -52,7 +52,7 @@ from jax.sharding import AxisType
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
 from shardlint import moe  # noqa: E402
-from shardlint.moe import _experts, _gmm, _permute  # noqa: E402
+from shardlint.moe import _experts, _gmm, _gmm_plan, _permute  # noqa: E402
 
 PEAKS = (("v4", 275e12), ("v5 lite", 197e12), ("v5e", 197e12), ("v5p", 459e12),
          ("v5", 459e12), ("v6 lite", 918e12), ("v6e", 918e12))
@@ -74,7 +74,7 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--isolate", action="store_true", help="each step row in its own process")
     p.add_argument("--sweep", action="store_true", help="single kernels at each row tile")
     p.add_argument("--row-tiles", action="store_true",
-                   help="RoutedMoE's step again at each row tile of _gmm.ROW_TILES")
+                   help="RoutedMoE's step again at each row tile of _gmm_plan.ROW_TILES")
     p.add_argument("--allow-cpu", action="store_true")
     p.add_argument("--part", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -127,8 +127,8 @@ class Bench:
     def kernel(self, name: str, row_tile: int | None = None) -> Any:
         """Today's path ("xla") or the layer's own choice ("auto"; interpret mode off a
         TPU), at a forced row tile if given."""
-        return _gmm.grouped_kernel("interpret" if self.interpret and name != "xla" else name,
-                                   row_tile=None if name == "xla" else row_tile)
+        return _gmm_plan.grouped_kernel("interpret" if self.interpret and name != "xla" else name,
+                                        row_tile=None if name == "xla" else row_tile)
 
     def data(self, E: int, K: int, init: Callable | None = None):
         """Config, params and x. With `init` (a layer's init) the params are drawn on the
@@ -158,8 +158,8 @@ class Bench:
         order = jnp.argsort(group_M)
         x_MD = jnp.repeat(x_TD, K, axis=0)[order]
         sizes = jnp.bincount(group_M, length=E).astype(jnp.int32)
-        plan = _gmm.plan(M, (D, F), E, jnp.bfloat16, weights_whole=True) \
-            if not self.interpret else _gmm.Plan(8, interpret=True)
+        plan = _gmm_plan.plan(M, (D, F), E, jnp.bfloat16, weights_whole=True) \
+            if not self.interpret else _gmm_plan.Plan(8, interpret=True)
         layout = jax.jit(_permute.padded_layout, static_argnums=(1, 2))(group_M, E, plan.tm)
         x_PD = _permute.permute_rows(x_TD, layout.src_P // K, layout.pos_M.reshape(T, K))
         C = int(sizes.max())
@@ -243,8 +243,8 @@ class Bench:
                           f"{cell(median_s(f, x_MD, w['wi_0'], sizes, repeats=a.repeats), fl, peak)}")
                 except Exception as e:  # noqa: BLE001 (a tile that does not compile)
                     print(f"  megablox gmm {tiles}: {type(e).__name__} {str(e)[:100]}")
-        for tm in (_gmm.ROW_TILES if not self.interpret else (8,)):
-            p = _gmm.Plan(tm, interpret=self.interpret)
+        for tm in (_gmm_plan.ROW_TILES if not self.interpret else (8,)):
+            p = _gmm_plan.Plan(tm, interpret=self.interpret)
             lay = jax.jit(_permute.padded_layout, static_argnums=(1, 2))(group_M, E, tm)
             x_PD = _permute.permute_rows(x_TD, lay.src_P // K, lay.pos_M.reshape(T, K))
             h_PF = jnp.ones((x_PD.shape[0], F), jnp.bfloat16)
@@ -389,7 +389,7 @@ def main(argv=None) -> int:
             steps[(row, path)] = r
             print_step(r)
     if args.row_tiles and not bench.interpret:
-        for tm in _gmm.ROW_TILES:
+        for tm in _gmm_plan.ROW_TILES:
             print_step(bench.step_row("RoutedMoE", "now", row_tile=tm))
     return goals(kern, steps, bench.peak)
 

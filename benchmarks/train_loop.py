@@ -43,7 +43,7 @@ import shardlint  # noqa: E402
 from jax.sharding import AxisType  # noqa: E402
 from shardlint._wrapped import as_jitted  # noqa: E402
 from shardlint.examples import decoder  # noqa: E402
-from shardlint.rewrites._rewrite import random_like  # noqa: E402
+from shardlint.rewrites._verify import random_like  # noqa: E402
 
 from analyzer import cause_steps  # noqa: E402
 

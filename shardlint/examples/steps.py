@@ -1,30 +1,30 @@
 """Tiny training steps that show (or avoid) lost sharding, written as users write them.
 
-Each `make_*` takes a mesh (axes `data` and `context` at least) and returns
+Each `make_*` takes a mesh (axes `data` and `context` at least) and `Sizes` and returns
 `(step_fn, args)` with `jax.ShapeDtypeStruct` arguments carrying NamedShardings, so any
 of them is a CLI target: `shardlint analyze shardlint.examples.steps:make_step --mesh
-data=2,context=4`. They are deliberately plain JAX, independent of `shardlint.moe`, so
-the analyzer is tested on code shardlint did not write.
+data=2,context=4`. Each is `value_and_grad` of a mean square through one model:
+
+  make_step              a routed MoE flattened outside shard_map: the bug
+  make_qwen3_style_step  the same plus a sigmoid-gated shared expert (Qwen3-Next)
+  make_capacity_step     dense dispatch whose capacity couples all tokens
+  make_per_shard_step    the routed MoE flattened per shard in shard_map: the fix
+  make_dense_step        a flatten before a dense MLP (no grouped matmul)
+  make_attention_step    attention that gathers K/V over context on purpose
+  make_scanned_step      routed-MoE layers under lax.scan and jax.checkpoint
+
+The layers are plain JAX, independent of `shardlint.moe`'s, so the analyzer is tested
+on code shardlint did not write; only their `Sizes` record comes from `shardlint.moe`.
 """
 
 from __future__ import annotations
-
-import dataclasses
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-
-@dataclasses.dataclass(frozen=True)
-class Sizes:
-    batch: int = 4
-    seq: int = 64
-    emb: int = 16
-    mlp: int = 32
-    experts: int = 4
-    top_k: int = 2
+from ..moe import Sizes
 
 
 def _route(tokens_TD, w_gate_DE, top_k):

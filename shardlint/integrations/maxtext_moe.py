@@ -10,7 +10,7 @@ sharded over the `activation_batch`/`activation_length`/`activation_embed` logic
 step is `value_and_grad` of mean(out**2) w.r.t. the parameters (and x with `grad_x=True`), so
 `jax.jit(step).lower(*args)` traces forward and backward; nothing runs on real arrays.
 
-`sizes` (`shardlint.examples.steps.Sizes`: global batch, sequence, dims, experts, top-k) and
+`sizes` (`shardlint.moe.Sizes`: global batch, sequence, dims, experts, top-k) and
 `dtype` say the layer's shape; the default is the small float32 dropless MoE the tests use,
 with a global batch of 2 x the data degree. Nothing is set up at import time (device
 count, XLA flags): callers do that first. MaxText itself is imported lazily, inside the
@@ -28,7 +28,7 @@ from typing import Any, Callable, Sequence
 import jax
 import jax.numpy as jnp
 
-from ..examples.steps import Sizes
+from ..moe import Sizes
 
 ACTIVATION_AXES = ("activation_batch", "activation_length", "activation_embed")
 

@@ -1,10 +1,11 @@
 """Routed Mixture-of-Experts layers: the reference that loses the sharding of the token
 axis under context parallelism, the layer that keeps it, and the Qwen3-Next block."""
 
+from .._token_axes import TokenAxes as TokenAxes
 from ._axes import MoeShardingError as MoeShardingError
-from ._axes import TokenAxes as TokenAxes
 from ._config import MoeConfig as MoeConfig
 from ._config import MoeConfigError as MoeConfigError
+from ._config import Sizes as Sizes
 from ._experts import init_moe_params as init_moe_params
 from ._qwen3_next import Qwen3NextSparseMoeBlock as Qwen3NextSparseMoeBlock
 from ._reference import RoutedMoE as RoutedMoE

@@ -23,54 +23,18 @@ and raises once, naming sizes and the way out.
 
 from __future__ import annotations
 
-import dataclasses
-import math
-from typing import Any, Sequence
+from typing import Any
 
 import jax
 from jax.sharding import AxisType, Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from .._errors import ShardlintError
+from .._token_axes import TokenAxes, as_axes, degree
 from ._config import MoeConfig
 
 
 class MoeShardingError(ShardlintError, ValueError):
     """The input, config and mesh do not fit together for ShardedRoutedMoE."""
-
-
-@dataclasses.dataclass(frozen=True)
-class TokenAxes:
-    """Mesh axes sharding the batch and the sequence dimension, and where that came from
-    ("explicit", "array", "type" or "rule")."""
-
-    batch: tuple[str, ...]
-    seq: tuple[str, ...]
-    source: str
-
-    @property
-    def all(self) -> tuple[str, ...]:
-        return self.batch + self.seq
-
-    @property
-    def x_spec(self) -> P:
-        """The PartitionSpec of x_BSD these axes describe."""
-        return P(self.batch or None, self.seq or None, None)
-
-
-def as_axes(entry: Any) -> tuple[str, ...]:
-    """A PartitionSpec entry (None, a name or a tuple of names) as a tuple of names."""
-    if entry is None:
-        return ()
-    if isinstance(entry, str):
-        return (entry,)
-    if isinstance(entry, Sequence):
-        return tuple(entry)
-    return ()  # P.UNCONSTRAINED and friends: nothing known
-
-
-def _degree(mesh: Mesh, axes: Sequence[str]) -> int:
-    return math.prod(mesh.shape[a] for a in axes if a in mesh.shape)
 
 
 def _spec_from_input(x: Any, mesh: Mesh) -> tuple[Any, str] | None:
@@ -100,9 +64,9 @@ def rule_axes(mesh: Mesh, batch: int, seq: int, tensor_axis: str | None) -> Toke
         size = mesh.shape[name]
         if size == 1 or name == tensor_axis:
             continue
-        if not seq_axes and batch % (_degree(mesh, batch_axes) * size) == 0:
+        if not seq_axes and batch % (degree(mesh, batch_axes) * size) == 0:
             batch_axes.append(name)
-        elif seq % (_degree(mesh, seq_axes) * size) == 0:
+        elif seq % (degree(mesh, seq_axes) * size) == 0:
             seq_axes.append(name)
     return TokenAxes(tuple(batch_axes), tuple(seq_axes), "rule")
 
@@ -170,11 +134,11 @@ def check_layout(cfg: MoeConfig, mesh: Mesh, shape: tuple[int, ...], axes: Token
                 (0, "batch size", axes.batch, "use a batch divisible by it"),
                 (1, "sequence length", axes.seq,
                  "pad the sequence to a multiple of it or shard it over fewer axes")):
-            degree = _degree(mesh, dim_axes)
-            if shape[dim] % degree:
+            shards = degree(mesh, dim_axes)
+            if shape[dim] % shards:
                 what = "context degree" if dim == 1 else "data-parallel degree"
                 problems.append(
-                    f"{name} {shape[dim]} is not divisible by the {what} {degree} "
+                    f"{name} {shape[dim]} is not divisible by the {what} {shards} "
                     f"(mesh axes {dim_axes} of sizes "
                     f"{tuple(mesh.shape[a] for a in dim_axes)}); {hint}")
     if problems:

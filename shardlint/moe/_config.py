@@ -1,4 +1,5 @@
-"""MoeConfig: the static description of a routed Mixture-of-Experts layer.
+"""MoeConfig: the static description of a routed Mixture-of-Experts layer (and `Sizes`, the
+shape of a step around one).
 
 A frozen dataclass so it can be a static argument, a dict key and a jit cache key. It
 validates itself on construction and reports every problem at once, because a config with
@@ -89,3 +90,18 @@ class MoeConfig:
             return num_tokens
         wanted = math.ceil(num_tokens * self.top_k / self.num_experts * self.capacity_factor)
         return max(1, min(num_tokens, wanted))
+
+
+@dataclasses.dataclass(frozen=True)
+class Sizes:
+    """The shape of a training step around one routed MoE layer: global batch, sequence,
+    model and expert widths, experts and experts per token. The example steps
+    (`shardlint.examples.steps`) and MaxText's layer (`integrations.maxtext_moe`) are
+    built from it."""
+
+    batch: int = 4
+    seq: int = 64
+    emb: int = 16
+    mlp: int = 32
+    experts: int = 4
+    top_k: int = 2

@@ -30,7 +30,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from . import _compat, _gmm, _permute
+from . import _compat, _gmm, _gmm_plan, _permute
 from ._config import MoeConfig
 from ._ring import IN_PLACE, WeightSlices, matmul
 from ._routing import route
@@ -82,9 +82,9 @@ def grouped_swiglu(x_ND: jax.Array, group_M: jax.Array, num_groups: int,
     weights hold this device's slice of D, and come whole as it says (`_ring`).
     """
     M = group_M.shape[0]
-    plan = _gmm.plan(M, (wi_0_GDF.shape[-2], wi_0_GDF.shape[-1]), num_groups,
-                     x_ND.dtype, weights_whole=slices.size == 1,
-                     varying=bool(_compat.varying_axes(x_ND)))
+    plan = _gmm_plan.plan(M, (wi_0_GDF.shape[-2], wi_0_GDF.shape[-1]), num_groups,
+                          x_ND.dtype, weights_whole=slices.size == 1,
+                          varying=bool(_compat.varying_axes(x_ND)))
     if plan is not None:
         return _tiled_swiglu(x_ND, group_M, num_groups, wi_0_GDF, wi_1_GDF, wo_GFD,
                              source_M, repeat, plan)
@@ -105,7 +105,7 @@ def grouped_swiglu(x_ND: jax.Array, group_M: jax.Array, num_groups: int,
 
 
 def _tiled_swiglu(x_ND, group_M, num_groups, wi_0_GDF, wi_1_GDF, wo_GFD, source_M,
-                  repeat, plan: _gmm.Plan) -> jax.Array:
+                  repeat, plan: _gmm_plan.Plan) -> jax.Array:
     """`grouped_swiglu` through the Pallas kernels: rows to tile-aligned groups by gathers
     (`_permute`), the grouped SwiGLU (`_gmm`), rows back by a gather."""
     if source_M is not None:   # any map of rows: gathered first (its transpose scatters)
@@ -116,7 +116,7 @@ def _tiled_swiglu(x_ND, group_M, num_groups, wi_0_GDF, wi_1_GDF, wo_GFD, source_
         return _permute.permute_rows(y_PD, layout.pos_M, layout.src_P[:, None])
 
 
-def _tiled_rows(x_ND, group_M, num_groups, repeat, weights, plan: _gmm.Plan):
+def _tiled_rows(x_ND, group_M, num_groups, repeat, weights, plan: _gmm_plan.Plan):
     """The layout of rows `group_M` and the SwiGLU of every slot (row m reading x_ND's row
     m // repeat)."""
     M = group_M.shape[0]
@@ -151,8 +151,8 @@ def sparse_experts(x_TD: jax.Array, weights_TK: jax.Array, experts_TK: jax.Array
     """Dropless routed experts on one token block: sort, grouped matmuls, unsort, combine."""
     T, K = experts_TK.shape
     weights = (params["wi_0"], params["wi_1"], params["wo"])
-    plan = _gmm.plan(T * K, weights[0].shape[-2:], num_experts, x_TD.dtype,
-                     weights_whole=slices.size == 1, varying=bool(_compat.varying_axes(x_TD)))
+    plan = _gmm_plan.plan(T * K, weights[0].shape[-2:], num_experts, x_TD.dtype,
+                          weights_whole=slices.size == 1, varying=bool(_compat.varying_axes(x_TD)))
     if plan is not None:
         layout, y_PD = _tiled_rows(x_TD, experts_TK.reshape(T * K), num_experts, K, weights,
                                    plan)

@@ -44,8 +44,8 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from . import _compat, _layout
-from ._axes import (MoeShardingError, TokenAxes, as_axes, check_layout, infer_token_axes,
-                    static_problems)
+from .._token_axes import TokenAxes, as_axes
+from ._axes import MoeShardingError, check_layout, infer_token_axes, static_problems
 from ._config import MoeConfig
 from ._experts import (Params, batched_swiglu, combine_rows, dense_combine, dense_dispatch,
                        grouped_swiglu, init_moe_params, moe_tokens)

@@ -25,12 +25,13 @@ import functools
 
 from .. import _jax
 from .._errors import RewriteError
-from ..analyzer._detect import reshape_groups
+from .._token_axes import TokenAxes
 from ..analyzer._patterns import is_expert_batched_eqn, is_grouped_matmul_eqn, reads_expert_weights
 from ..analyzer._stack import display_path
 from . import _refusals
+from ._flow import connected_parts, downstream, reaches, variables
 from ._subjaxprs import sub_of
-from ._trace import TokenAxes, entry_axes
+from ._token_ops import count, is_address, merges_seq, pull_in_constants, splits_tokens
 
 # Routing ops that XLA's partitioner may not split along batch or sequence (it gathers
 # their inputs); where the analysis found that, they run per shard.
@@ -71,14 +72,14 @@ class Grower:
         backward). Returns the region, its scrambled values and, of those, the label-only
         ones and the running totals over a shard's tokens."""
         leaves = leaves or {}
-        merges = {i for i, e in enumerate(eqns) if _merges_seq(e, self.specs, self.axes)}
+        merges = {i for i, e in enumerate(eqns) if merges_seq(e, self.specs, self.axes)}
         routing = {i for i, e in enumerate(eqns) if self._routing_seed(e, eqns, producer)}
         arriving = set(scrambled_in) | set(stacked_in)
         seeds = merges | routing
         seeds |= {c for v in arriving for c in consumers.get(v, ()) if sub_of(eqns[c]) is None}
         if not seeds:
             return set(), set(), set(), set()
-        exits = {i for i, e in enumerate(eqns) if _splits_tokens(e, self.specs, self.axes)}
+        exits = {i for i, e in enumerate(eqns) if splits_tokens(e, self.specs, self.axes)}
         region: set[int] = set(seeds)
         scrambled: set = set(scrambled_in)
         # With per-shard capacity: running totals over a shard's tokens (filled in as the
@@ -95,7 +96,7 @@ class Grower:
             self._grow(eqns, producer, consumers, region, scrambled, positional, stacked_in,
                        merges=merges, exits=exits, counts=counts)
             grown = set(region)
-            pulled = _pull_in_constants(eqns, region, self.scaled, producer, leaves)
+            pulled = pull_in_constants(eqns, region, self.scaled, producer, leaves)
             if not pulled:
                 break
             # What was pulled in because it computes on region values follows its inputs;
@@ -142,7 +143,7 @@ class Grower:
         changed = True
         while changed:
             changed = False
-            reaches = _reaches(eqns, consumers, region)
+            into_region = reaches(eqns, consumers, region)
             for i, e in enumerate(eqns):
                 ins = variables(e.invars)
                 if i not in region:
@@ -151,11 +152,11 @@ class Grower:
                     slots = any(v in self.capacity and (producer.get(v) in region or v in stacked_in)
                                 for v in ins) and self.per_shard_capacity
                     if not (any(v in scrambled or v in counts for v in ins) or slots
-                            or (per_shard and i in reaches)):
+                            or (per_shard and i in into_region)):
                         continue
                     region.add(i)
                     changed = True
-                if self.per_shard_capacity and _count(e, counts, self.scaled, self.specs):
+                if self.per_shard_capacity and count(e, counts, self.scaled, self.specs):
                     changed = True
                 if i in exits:
                     continue
@@ -171,7 +172,7 @@ class Grower:
         in the shard's own block and leave no label in the result; indices in per-shard
         order do reorder it."""
         carried = [v for v in variables(eqn.invars) if v in scrambled
-                   and not (v in positional and _is_address(eqn, v))]
+                   and not (v in positional and is_address(eqn, v))]
         if not (reordered or carried):
             return False
         labels_only = not reordered and all(v in positional for v in carried)
@@ -207,152 +208,19 @@ class Grower:
         the experts, what their outputs flow into, or a routing op on the same line as such
         a one (its transpose in the backward)."""
         experts = {i for i, e in enumerate(eqns) if reads_expert_weights(e, eqns, producer, self.scaled)}
-        after_experts = _downstream(eqns, consumers, experts)
+        after_experts = downstream(eqns, consumers, experts)
         routed_lines = set()
         for i in routing:
-            ahead = _downstream(eqns, consumers, {i})
+            ahead = downstream(eqns, consumers, {i})
             # Into the experts (a sort before a grouped matmul), or, from before them, into
             # what combines their outputs (the weights of a dense dispatch, in a scanned
             # layer's forward body where no expert matmul follows).
             if ahead & experts or (i not in after_experts and ahead & after_experts):
                 routed_lines.add(_jax.user_frame(eqns[i]))
         keep = {i for i in routing if _jax.user_frame(eqns[i]) in routed_lines}
-        return _connected_parts(eqns, region, producer,
-                                lambda i: i in keep or is_grouped_matmul_eqn(eqns[i])
-                                or is_expert_batched_eqn(eqns[i], producer))
-
-
-# Comparisons turn a running total into a decision (kept or dropped): an ordinary value.
-_COMPARISONS = {"lt", "le", "gt", "ge", "eq", "ne"}
-
-
-def _count(eqn, counts: set, scaled, specs) -> bool:
-    """Marks `eqn`'s results that are running totals over a shard's tokens: those of a
-    cumulative op over a token dimension, and those computed from one by anything but a
-    comparison (a jitted helper, `jax.nn.one_hot` say, is looked into). True when
-    something new was marked."""
-    counted_in = [not _jax.is_literal(a) and a in counts for a in eqn.invars]
-    new = {v for v, is_count in zip(eqn.outvars, _counts_out(eqn, counted_in, specs))
-           if is_count and v in scaled} - counts
-    counts |= new
-    return bool(new)
-
-
-def _counts_out(eqn, counted_in: list[bool], specs) -> list[bool]:
-    name = eqn.primitive.name
-    if _refusals.couples_tokens(eqn, specs):
-        return [True] * len(eqn.outvars)
-    if name in _COMPARISONS or not any(counted_in):
-        return [False] * len(eqn.outvars)
-    sub = sub_of(eqn) if name in ("jit", "pjit") else None
-    if sub is None:
-        return [True] * len(eqn.outvars)
-    inner: set = {v for v, c in zip(sub.jaxpr.invars, counted_in) if c}
-    for e in sub.jaxpr.eqns:
-        inner |= {v for v, c in zip(e.outvars, _counts_out(e, [not _jax.is_literal(a) and a in inner
-                                                                for a in e.invars], specs)) if c}
-    return [not _jax.is_literal(v) and v in inner for v in sub.jaxpr.outvars]
-
-
-def _merges_seq(eqn, specs, axes: TokenAxes) -> bool:
-    """A reshape folding a sequence-sharded dim together with another into one dim."""
-    if eqn.primitive.name != "reshape" or not eqn.invars or eqn.invars[0] not in specs:
-        return False
-    src = specs[eqn.invars[0]]
-    shape_in, shape_out = eqn.invars[0].aval.shape, eqn.outvars[0].aval.shape
-    for ins, outs in reshape_groups(shape_in, shape_out):
-        if len(ins) > 1 and len(outs) == 1 and any(
-                set(axes.seq) & set(entry_axes(src[d])) for d in ins if d < len(src)):
-            return True
-    return False
-
-
-def _splits_tokens(eqn, specs, axes: TokenAxes) -> bool:
-    """A reshape unfolding tokens back into separate (batch, seq) dims."""
-    if eqn.primitive.name != "reshape" or eqn.outvars[0] not in specs:
-        return False
-    out = specs[eqn.outvars[0]]
-    shape_in, shape_out = eqn.invars[0].aval.shape, eqn.outvars[0].aval.shape
-    for ins, outs in reshape_groups(shape_in, shape_out):
-        if len(ins) == 1 and len(outs) > 1 and any(
-                set(axes.seq) & set(entry_axes(out[d])) for d in outs if d < len(out)):
-            return True
-    return False
-
-
-def variables(atoms):
-    return [a for a in atoms if not _jax.is_literal(a)]
-
-
-def consumers_of(eqns) -> dict:
-    users: dict = {}
-    for i, e in enumerate(eqns):
-        for v in variables(e.invars):
-            users.setdefault(v, []).append(i)
-    return users
-
-
-def _reaches(eqns, consumers, targets: set[int]) -> set[int]:
-    """Equations with a dataflow path into `targets` (computed backwards)."""
-    reaches: set[int] = set()
-    for i in range(len(eqns) - 1, -1, -1):
-        for v in eqns[i].outvars:
-            if any(c in targets or c in reaches for c in consumers.get(v, ())):
-                reaches.add(i)
-                break
-    return reaches
-
-
-# Random draws: drawn again at one shard's size, a shard would get another stream than its
-# slice of the global draw (a dropout mask over (batch, seq, ...)).
-_DRAWS = {"random_bits", "random_seed", "random_split", "random_fold_in", "threefry2x32",
-          "rng_bit_generator", "rng_uniform"}
-
-
-def _draws(eqn) -> bool:
-    """A random draw, or a call that makes one (`jax.random.bernoulli` is a jitted helper)."""
-    sub = sub_of(eqn)
-    return eqn.primitive.name in _DRAWS or (sub is not None and any(_draws(e) for e in sub.jaxpr.eqns))
-
-
-def _pull_in_constants(eqns, region, scaled, producer, leaves) -> set[int]:
-    """Token-sized values built from nothing (iota, zeros, `arange(T) // K`, `leaves`)
-    join the region with everything they are built from, so they are rebuilt at local
-    size. A random draw is never drawn again: what is built from it joins, and the draw
-    comes in as an input, each shard its slice. Returns the equations pulled in."""
-    memo: dict[int, bool] = {}
-    pulled: set[int] = set()
-
-    def buildable(p: int) -> bool:
-        if p not in memo:
-            memo[p] = False  # cycles cannot occur in a jaxpr; this guards the recursion
-            memo[p] = _draws(eqns[p]) or all(
-                u not in scaled or producer.get(u) in region or u in leaves
-                or (producer.get(u) is not None and buildable(producer[u]))
-                for u in variables(eqns[p].invars))
-        return memo[p]
-
-    def pull(p: int) -> None:
-        if p in region or _draws(eqns[p]):
-            return
-        region.add(p)
-        pulled.add(p)
-        for u in variables(eqns[p].invars):
-            if u in scaled and producer.get(u) is not None:
-                pull(producer[u])
-
-    for i in sorted(region):
-        for v in variables(eqns[i].invars):
-            p = producer.get(v)
-            if p is not None and p not in region and v in scaled and buildable(p):
-                pull(p)
-    return pulled
-
-
-def _is_address(eqn, var) -> bool:
-    """Whether `var` is the indices operand of a gather or scatter equation."""
-    return (eqn.primitive.name.startswith(("gather", "scatter")) and len(eqn.invars) > 1
-            and eqn.invars[1] is var)
+        return connected_parts(eqns, region, producer,
+                               lambda i: i in keep or is_grouped_matmul_eqn(eqns[i])
+                               or is_expert_batched_eqn(eqns[i], producer))
 
 
 def _routed_operands(eqn) -> list:
@@ -370,36 +238,3 @@ def _is_routing_op(eqn) -> bool:
         return True
     sub = sub_of(eqn) if eqn.primitive.name in ("jit", "pjit") else None
     return sub is not None and any(_is_routing_op(e) for e in sub.jaxpr.eqns)
-
-
-def _connected_parts(eqns, region: set[int], producer, holds) -> set[int]:
-    """The region's equations in connected parts that have an equation `holds` accepts;
-    other token flattens (a cross-entropy over flattened tokens) stay as they are."""
-    parent = {i: i for i in region}
-
-    def find(i):
-        while parent[i] != i:
-            parent[i] = parent[parent[i]]
-            i = parent[i]
-        return i
-
-    for i in region:
-        for v in variables(eqns[i].invars):
-            p = producer.get(v)
-            if p in region:
-                parent[find(i)] = find(p)
-    routed = {find(i) for i in region if holds(i)}
-    return {i for i in region if find(i) in routed}
-
-
-def _downstream(eqns, consumers, starts: set[int]) -> set[int]:
-    """`starts` and every equation their results flow into."""
-    seen, stack = set(starts), list(starts)
-    while stack:
-        i = stack.pop()
-        for v in eqns[i].outvars:
-            for c in consumers.get(v, ()):
-                if c not in seen:
-                    seen.add(c)
-                    stack.append(c)
-    return seen

@@ -27,12 +27,14 @@ from jax.sharding import PartitionSpec as P
 
 from .. import _jax
 from .._errors import RewriteError
+from .._token_axes import TokenAxes, as_axes
 from . import _refusals
 from ._builders import Builders
 from ._groups import Group, boundaries, convex_groups
-from ._grow import Grower, consumers_of, variables
+from ._flow import consumers_of, variables
+from ._grow import Grower
 from ._subjaxprs import carries, sub_of
-from ._trace import TokenAxes, Traces, entry_axes, pair_vars
+from ._trace import Traces, pair_vars
 
 
 @dataclasses.dataclass
@@ -83,7 +85,7 @@ def plan_regions(traces: Traces, axes: TokenAxes, *, seed_lines: frozenset = fro
         spec = _spec(var, lvar, seq_of.get(var), axes)
         if spec is None:
             continue
-        names = [a for entry in spec for a in entry_axes(entry)]
+        names = [a for entry in spec for a in as_axes(entry)]
         if len(names) != len(set(names)):
             doubly.add(var)
             continue
@@ -101,7 +103,7 @@ class _Planner:
     def __init__(self, axes, specs, doubly, capacity, local_of, seed_lines, per_shard_capacity, traces):
         self.grower = Grower(axes, specs, doubly, seed_lines, per_shard_capacity, capacity)
         self.local_of = local_of
-        self.retraced, self.unsure = bool(traces.retraced), traces.unsure
+        self.retraced, self.unsure = traces.why_retraced is not None, traces.unsure
 
     def level(self, jaxpr, consts, local, local_consts, *, scrambled_in=None,
               stacked_in=frozenset(), built_in=None, positional_in=frozenset(),
@@ -207,7 +209,7 @@ def _token_sizes(invars, specs) -> dict:
         if spec is None:
             continue
         shape = v.aval.shape
-        entries = [entry_axes(e) for e in tuple(spec) + (None,) * (len(shape) - len(spec))]
+        entries = [as_axes(e) for e in tuple(spec) + (None,) * (len(shape) - len(spec))]
         for first in range(len(shape)):   # a run ends at a sharded dimension (the minor one)
             for end in (e + 1 for e in range(first, len(shape)) if entries[e]):
                 names = tuple(a for e in entries[first:end] for a in e)
@@ -218,7 +220,7 @@ def _token_sizes(invars, specs) -> dict:
 def _token_shaped(var, spec, sizes: dict) -> bool:
     """Whether every dimension of `var` that shrinks per shard has a token dimension's size
     (else one is sized by something computed from the token count: a capacity)."""
-    return all(entry is None or var.aval.shape[d] in sizes.get(entry_axes(entry), ())
+    return all(entry is None or var.aval.shape[d] in sizes.get(as_axes(entry), ())
                for d, entry in enumerate(spec))
 
 

@@ -49,7 +49,7 @@ class Retraced:
     stand_ins: frozenset
     # results of reshapes that split a shrunk dimension in a way nothing they met settled
     guessed: frozenset = frozenset()
-    why: str = ""            # why the step's own trace was not used
+    why: str | None = None   # why the step's own trace was not used (`_trace` says)
 
 
 class _Meets(Exception):

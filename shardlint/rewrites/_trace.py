@@ -34,26 +34,15 @@ from jax.sharding import PartitionSpec as P
 
 from .. import _jax
 from .._errors import RewriteError, first_line
-from ..analyzer._compile import parameter_argnums
+from .._token_axes import TokenAxes, as_axes, degree
 from .._wrapped import unwrap
+from ..analyzer._compile import parameter_argnums
 from ..analyzer._stack import display_path, is_library_file
 from ._jitted import jit_equation
 from ._replay import inner_jaxpr
 from ._retrace import retrace
 from ._shard_shapes import Unfit
 from ._subjaxprs import sub_of
-
-
-@dataclasses.dataclass(frozen=True)
-class TokenAxes:
-    """The mesh axes that shard the batch and the sequence of the tokens."""
-
-    batch: tuple[str, ...]
-    seq: tuple[str, ...]
-
-    @property
-    def all(self) -> tuple[str, ...]:
-        return self.batch + self.seq
 
 
 @dataclasses.dataclass
@@ -63,17 +52,11 @@ class Traces:
     seq_jaxpr: object             # ... with only the sequence divided
     out_tree: object              # the step's output pytree
     jit_eqn: object | None        # a pre-jitted step's own jit equation
-    # why the step was traced at one shard's shapes from its global jaxpr ("" if it was not)
-    retraced: str = ""
+    # why the step was traced at one shard's shapes from its global jaxpr; None if it was not
+    why_retraced: str | None = None
     # Global Vars whose per-shard value the retraced jaxpr cannot tell (`_retrace`): built
     # from the configuration (a shard's shape only), or split by a guess nothing settled.
     unsure: frozenset = frozenset()
-
-
-def entry_axes(entry) -> tuple[str, ...]:
-    if entry is None:
-        return ()
-    return (entry,) if isinstance(entry, str) else tuple(entry)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,8 +90,8 @@ def trace_step(step: Callable, args: tuple, tokens: Tokens, mesh) -> Traces:
     jit_eqn = jit_equation(step, args)
     axes = tokens.axes
     data = token_leaves(args, tokens, mesh, global_jaxpr.out_avals)
-    nb = _degree(mesh, axes.batch)
-    ns = _degree(mesh, axes.seq)
+    nb = degree(mesh, axes.batch)
+    ns = degree(mesh, axes.seq)
     specs = [_spec_of(x) for x in flat]
     local = [_shrunk(x, s, axes, nb, ns) if d else a for x, s, d, a in zip(flat, specs, data, abstract)]
     by_seq = [_shrunk(x, s, axes, 1, ns) if d else a for x, s, d, a in zip(flat, specs, data, abstract)]
@@ -117,7 +100,7 @@ def trace_step(step: Callable, args: tuple, tokens: Tokens, mesh) -> Traces:
     both = [r for r in (retraced, seq_retraced) if r is not None]
     unsure = frozenset().union(*(r.stand_ins | r.guessed for r in both))
     return Traces(global_jaxpr, local_jaxpr, seq_jaxpr, out_tree[0], jit_eqn,
-                  both[0].why if both else "", unsure)
+                  both[0].why if both else None, unsure)
 
 
 def pair_vars(global_jaxpr, other_jaxpr) -> dict:
@@ -309,7 +292,7 @@ def token_leaves(args: tuple, tokens: Tokens, mesh, out_avals) -> list[bool]:
 def _carries_tokens(x, tokens: Tokens, mesh) -> bool:
     spec = tuple(_spec_of(x)) + (None,) * len(getattr(x, "shape", ()))
     shape = tuple(getattr(x, "shape", ()))
-    entries = [_real_axes(entry_axes(e), mesh) for e in spec[:len(shape)]]
+    entries = [_real_axes(as_axes(e), mesh) for e in spec[:len(shape)]]
     batch, seq = _real_axes(tokens.axes.batch, mesh), _real_axes(tokens.axes.seq, mesh)
     for j, (entry, size) in enumerate(zip(entries, shape)):
         if not seq or entry != seq or tokens.seq_size not in (None, size):
@@ -324,13 +307,6 @@ def _real_axes(names: tuple[str, ...], mesh) -> tuple[str, ...]:
     return tuple(a for a in names if mesh.shape.get(a, 1) > 1)
 
 
-def _degree(mesh, names: tuple[str, ...]) -> int:
-    degree = 1
-    for a in names:
-        degree *= mesh.shape[a]
-    return degree
-
-
 def _spec_of(x):
     sharding = getattr(x, "sharding", None)
     return sharding.spec if isinstance(sharding, NamedSharding) else P()
@@ -340,7 +316,7 @@ def _shrunk(x, spec, axes: TokenAxes, nb: int, ns: int):
     """`x` at one shard's size along the dims sharded over batch or sequence axes."""
     shape = list(x.shape)
     for d, entry in enumerate(spec or ()):
-        names = entry_axes(entry)
+        names = as_axes(entry)
         factor = {axes.batch: nb, axes.seq: ns, axes.all: nb * ns}.get(names, 1) if names else 1
         if shape[d] % factor:
             raise RewriteError(f"argument dim {d} of size {shape[d]} does not divide over "

@@ -16,7 +16,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from shardlint import moe
-from shardlint.moe import _experts, _gmm, _permute
+from shardlint.moe import _experts, _gmm, _gmm_plan, _permute
 
 
 def _groups(seed: int, M: int, G: int, padding: bool) -> jax.Array:
@@ -70,7 +70,7 @@ def test_grouped_swiglu_pallas_matches_ragged_dot(moe_testlib, source):
     kw = dict(repeat=R) if source == "repeat" else dict(source_M=(jnp.arange(M) * 7) % x.shape[0])
 
     def vjp(kernel):
-        with _gmm.grouped_kernel(kernel, row_tile=8):
+        with _gmm_plan.grouped_kernel(kernel, row_tile=8):
             y, back = jax.vjp(lambda x, w: _experts.grouped_swiglu(x, group_M, G, *w, **kw), x, w)
             return y, back(ct)
     y, grads = vjp("interpret")
@@ -83,8 +83,8 @@ def test_kernels_with_blocks_split_along_k_and_n(moe_testlib):
     """A VMEM limit that forces K and N into blocks: the accumulating path of `_gmm`
     and `_tgmm` give the same products."""
     x, (w0, _, _), group_M, G, R, _ = _swiglu_case()
-    p = _gmm.Plan(8, interpret=True, vmem_limit=400_000)
-    assert p.tiles(256, 256, 4) == p.tgmm_tiles(256, 256, 4) == _gmm.Tiles(8, 128, 128)
+    p = _gmm_plan.Plan(8, interpret=True, vmem_limit=400_000)
+    assert p.tiles(256, 256, 4) == p.tgmm_tiles(256, 256, 4) == _gmm_plan.Tiles(8, 128, 128)
     K, N = 256, 256
     xk = jax.random.normal(jax.random.key(5), (x.shape[0] * R, K))
     wk = jax.random.normal(jax.random.key(6), (G, K, N)) / 16
@@ -106,7 +106,7 @@ def test_kernels_with_blocks_split_along_k_and_n(moe_testlib):
 
 def _layer_vjp(moe_testlib, layer, params, kernel):
     x, r = moe_testlib.activations()
-    with _gmm.grouped_kernel(kernel, row_tile=8):
+    with _gmm_plan.grouped_kernel(kernel, row_tile=8):
         y, back = jax.vjp(layer, params, x)
         return jax.device_get((y, back(r)))
 
@@ -121,7 +121,7 @@ def test_routed_moe_with_pallas_kernels_matches_today(moe_testlib):
 
 def test_sharded_moe_with_pallas_kernels_inside_shard_map(moe_testlib):
     """On a one-device mesh (the benchmark's) the kernels run inside shard_map; where the
-    tokens vary over mesh axes the layer keeps ragged_dot (`_gmm.plan`), equal either way."""
+    tokens vary over mesh axes the layer keeps ragged_dot (`_gmm_plan.plan`), equal either way."""
     cfg = moe_testlib.config()
     params = moe.RoutedMoE(cfg).init(jax.random.key(0))
     want = _layer_vjp(moe_testlib, jax.jit(moe.RoutedMoE(cfg)), params, "xla")
@@ -133,26 +133,26 @@ def test_sharded_moe_with_pallas_kernels_inside_shard_map(moe_testlib):
         step = jax.jit(sharded)
         got = _layer_vjp(moe_testlib, step, params, "interpret")
         moe_testlib.assert_tree_close(got, want)
-        with _gmm.grouped_kernel("interpret", row_tile=8):
+        with _gmm_plan.grouped_kernel("interpret", row_tile=8):
             text = str(jax.make_jaxpr(sharded)(params, moe_testlib.activations()[0]))
         assert ("shardlint_gmm" in text) == (shape == (1, 1)), shape
 
 
 def test_plan_keeps_ragged_dot_off_the_tpu_and_for_odd_shapes():
     bf16 = jnp.bfloat16
-    assert _gmm.plan(65536, (2048, 1024), 64, bf16, weights_whole=True) is None  # CPU
-    with _gmm.grouped_kernel("pallas"):
-        assert _gmm.plan(65536, (2048, 1024), 64, bf16, weights_whole=True) is not None
-        assert _gmm.plan(4096, (2048, 100), 8, bf16, weights_whole=True) is None
-        assert _gmm.plan(65536, (2048, 1024), 64, bf16, weights_whole=False) is None
-    with _gmm.grouped_kernel("xla"):
-        assert _gmm.plan(65536, (2048, 1024), 64, bf16, weights_whole=True) is None
+    assert _gmm_plan.plan(65536, (2048, 1024), 64, bf16, weights_whole=True) is None  # CPU
+    with _gmm_plan.grouped_kernel("pallas"):
+        assert _gmm_plan.plan(65536, (2048, 1024), 64, bf16, weights_whole=True) is not None
+        assert _gmm_plan.plan(4096, (2048, 100), 8, bf16, weights_whole=True) is None
+        assert _gmm_plan.plan(65536, (2048, 1024), 64, bf16, weights_whole=False) is None
+    with _gmm_plan.grouped_kernel("xla"):
+        assert _gmm_plan.plan(65536, (2048, 1024), 64, bf16, weights_whole=True) is None
     with pytest.raises(ValueError, match="not one of"):
-        with _gmm.grouped_kernel("cuda"):
+        with _gmm_plan.grouped_kernel("cuda"):
             pass
 
 
 def test_row_tile_trades_padding_against_steps():
     """More groups per row pad more: the tile does not grow with the group count."""
-    few, many = _gmm.row_tile(65536, 8), _gmm.row_tile(65536, 512)
-    assert few in _gmm.ROW_TILES and many in _gmm.ROW_TILES and many <= few
+    few, many = _gmm_plan.row_tile(65536, 8), _gmm_plan.row_tile(65536, 512)
+    assert few in _gmm_plan.ROW_TILES and many in _gmm_plan.ROW_TILES and many <= few

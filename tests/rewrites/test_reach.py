@@ -162,6 +162,7 @@ def test_the_jaxpr_traced_again_gives_the_same_rewrite(name, request):
     fixed = shardlint.rewrite(fn, mesh, args=args, analysis=before, **CASES[name][2])
     assert "(ValueError at tests/conftest.py" in fixed.notes[0]
     assert fixed.notes[0].endswith("its jaxpr was traced there instead")
+    assert fixed.retraced is True and fixed.notes[0].startswith(fixed.why_retraced)
     retraced = shardlint.analyze(fixed, *args)
     assert retraced.findings == after.findings == ()
     # Not to the byte: numbers the step's Python draws from array sizes keep their global
@@ -332,14 +333,14 @@ def test_per_shard_capacity_changes_which_tokens_drop():
 def test_jax_refusing_the_emitted_step_is_a_rewrite_error(monkeypatch):
     # Whatever JAX raises while tracing the rewritten step reaches the user as a
     # RewriteError that says so, never as a raw traceback.
-    from shardlint.rewrites import _rewrite
+    from shardlint.rewrites import _rewritten
 
     def broken_emit(plan, mesh):
         def run(*flat):
             raise ValueError("Incompatible shapes for broadcasting: (4, 16) and (8, 16)")
         return run
 
-    monkeypatch.setattr(_rewrite, "emit", broken_emit)
+    monkeypatch.setattr(_rewritten, "emit", broken_emit)
     mesh = _mesh(4)
     fn, args = cause_steps.make_scanned_layers_step(mesh)
     with pytest.raises(shardlint.RewriteError, match=r"rewritten step does not trace.*ValueError: Incompatible"):

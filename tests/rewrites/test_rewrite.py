@@ -14,7 +14,7 @@ from jax.sharding import AxisType
 import shardlint
 from shardlint.examples import steps
 from shardlint.rewrites import RewrittenStep, verify_same
-from shardlint.rewrites._rewrite import random_like
+from shardlint.rewrites._verify import random_like
 
 SIZES = steps.Sizes(batch=8)  # two batch rows per device at every mesh below
 CONTEXTS = [2, 4, 8]
@@ -39,6 +39,8 @@ def _case(make_name: str, context: int):
 def test_rewritten_step_keeps_tokens_sharded_and_equal(make_name, context):
     mesh, fn, args, fixed, before, after = _case(make_name, context)
     assert isinstance(fixed, RewrittenStep)
+    # Its Python traced at one shard's shapes: no jaxpr was traced there instead.
+    assert fixed.retraced is False and fixed.why_retraced is None
     assert any(f.op == "reshape" and "context" in f.axes for f in before.findings)
     assert before.all_gathers(), "the original must show the bug"
     assert after.findings == ()

@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec as P
 import shardlint
 from shardlint import moe
 from shardlint.rewrites import SwappedStep
-from shardlint.rewrites._rewrite import random_like
+from shardlint.rewrites._verify import random_like
 
 B, S = 8, 32
 

@@ -18,7 +18,7 @@ from jax.sharding import PartitionSpec as P
 import shardlint
 from shardlint.examples import decoder
 from shardlint.rewrites import JittedStep, SwappedStep
-from shardlint.rewrites._rewrite import random_like
+from shardlint.rewrites._verify import random_like
 
 from analyzer import cause_steps
 

@@ -1,0 +1,158 @@
+"""The choice of grouped-matmul kernel for a call, and its tiles (the kernels are `_gmm`).
+
+Which kernel runs is chosen per call (`plan`): the Pallas kernels on a TPU for bfloat16
+whose D and F tile by 128 and whose weights are whole on the device, `ragged_dot` (today's
+path, and the only one on CPU) otherwise; also where the rows vary over `shard_map`
+axes (the Pallas interpreters of JAX 0.10.2 reject that, so the path is untested on
+several devices). `grouped_kernel(...)` forces a choice for a
+scope: "xla" (ragged_dot), "pallas", or "interpret" (the Pallas kernels in interpret mode,
+any backend and dtype; what the CPU tests use).
+
+The row tile comes from a cost model fitted on a v5e (`row_tile`); the blocks along K and
+N are the largest whose double-buffered operands fit the VMEM limit (`Plan.tiles`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+from typing import Iterator
+
+import jax
+import jax.numpy as jnp
+
+KERNELS = ("auto", "xla", "pallas", "interpret")
+_kernel: contextvars.ContextVar[str] = contextvars.ContextVar("shardlint_gmm_kernel",
+                                                              default="auto")
+# tm forced for a scope (benchmarks and tests); None: chosen by `row_tile`
+_row_tile: contextvars.ContextVar[int | None] = contextvars.ContextVar("shardlint_gmm_tm",
+                                                                       default=None)
+
+# VMEM a kernel may use (v5e/v5p/v6e have 128 MiB per core, v4 32; the default scoped
+# limit is 16-32 MiB, too small for a whole 2048 x 1024 weight block double-buffered).
+VMEM_LIMIT = 64 * 2 ** 20
+_VMEM_LIMIT_V4 = 28 * 2 ** 20
+# Row tiles tried, and the cost model `row_tile` picks from. Fitted to one v5e
+# (benchmarks/tpu_moe.py --sweep, 2026-12-05: 2048 x 1024 products of 65536 rows in 64
+# groups): the nine products of a SwiGLU's forward and backward took 25.7 / 24.3 / 23.2 ms
+# at tm = 128 / 256 / 512, i.e. each grid step costs about 58 rows' work besides its
+# rows. The XLA ops around the kernels run over the layout's static rows, about 0.4 of a
+# computed row each. RoutedMoE's training step then measured 33.81 / 32.90 / 33.29 ms at
+# tm = 128 / 256 / 512 (--row-tiles), and the model picks 256 for that shape.
+ROW_TILES = (128, 256, 512)
+STEP_OVERHEAD_ROWS = 58
+STATIC_ROW_COST = 0.4
+
+
+@contextlib.contextmanager
+def grouped_kernel(name: str, *, row_tile: int | None = None) -> Iterator[None]:
+    """Inside, grouped matmuls use kernel `name` ("auto", "xla", "pallas", "interpret")
+    and, when given, row tiles of `row_tile` rows."""
+    if name not in KERNELS:
+        raise ValueError(f"grouped kernel {name!r} is not one of {KERNELS}")
+    token, tm_token = _kernel.set(name), _row_tile.set(row_tile)
+    try:
+        yield
+    finally:
+        _kernel.reset(token)
+        _row_tile.reset(tm_token)
+
+
+@dataclasses.dataclass(frozen=True)
+class Tiles:
+    """Block sizes of one kernel: rows, contracted, output columns."""
+    m: int
+    k: int
+    n: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """How the grouped matmuls of one SwiGLU run: rows in tiles of `tm`, and interpret
+    mode (tests on CPU)."""
+    tm: int
+    interpret: bool = False
+    vmem_limit: int = VMEM_LIMIT
+
+    def tiles(self, k: int, n: int, itemsize: int, *, lhs: int = 1, rhs: int = 1,
+              outs: int = 1, split_k: bool = True) -> Tiles | None:
+        """The largest blocks along K and N (whole, then halved, K only when `split_k`)
+        whose double-buffered operands (`lhs` row blocks, `rhs` weight blocks, `outs`
+        row blocks of output or epilogue input) and float32 products fit the VMEM limit;
+        None if none does."""
+        tk, tn = k, n
+        while _vmem(self.tm, tk, tn, itemsize, lhs, rhs, outs) > self.vmem_limit * 0.75:
+            if split_k and tk >= tn and tk % 256 == 0:
+                tk //= 2
+            elif tn % 256 == 0:
+                tn //= 2
+            elif split_k and tk % 256 == 0:
+                tk //= 2
+            else:
+                return None
+        return Tiles(self.tm, tk, tn)
+
+    def tgmm_tiles(self, k: int, n: int, itemsize: int) -> Tiles | None:
+        """Blocks of the weight-gradient kernel: a [tk, tn] float32 accumulator."""
+        tk, tn = k, n
+        while 2 * (self.tm * tk + self.tm * tn + tk * tn) * itemsize + 2 * tk * tn * 4 \
+                + self.tm * tk * itemsize > self.vmem_limit * 0.75:
+            if tk >= tn and tk % 256 == 0:
+                tk //= 2
+            elif tn % 256 == 0:
+                tn //= 2
+            else:
+                return None
+        return Tiles(self.tm, tk, tn)
+
+    def fits(self, dims: tuple[int, int], itemsize: int) -> bool:
+        """Whether every kernel of a SwiGLU with D x F = `dims` has blocks that fit."""
+        D, F = dims
+        return None not in (self.tiles(D, F, itemsize, rhs=2, outs=3, split_k=False),
+                            self.tiles(F, D, itemsize),
+                            self.tiles(D, F, itemsize, outs=4, split_k=False),
+                            self.tiles(F, D, itemsize, lhs=2, rhs=2, split_k=False),
+                            self.tgmm_tiles(D, F, itemsize), self.tgmm_tiles(F, D, itemsize))
+
+
+def _vmem(tm: int, tk: int, tn: int, itemsize: int, lhs: int, rhs: int, outs: int) -> int:
+    """Bytes of VMEM for double-buffered blocks and float32 products/accumulators."""
+    return (2 * (lhs * tm * tk + rhs * tk * tn + outs * tm * tn) * itemsize
+            + 2 * max(rhs, 1) * tm * tn * 4)
+
+
+def plan(rows: int, dims: tuple[int, int], num_groups: int, dtype, *,
+         weights_whole: bool, varying: bool = False) -> Plan | None:
+    """The Pallas plan for a grouped SwiGLU of `rows` rows, D x F = `dims`, or None for
+    `ragged_dot`. `weights_whole`: the weights are whole on the device (the products'
+    custom VJP cannot be transposed by `_ring`'s schedules). `varying`: the rows vary
+    over `shard_map` axes; JAX 0.10.2's Pallas interpreters reject scalar-prefetch values
+    that vary there, so this path was never run on several devices: ragged_dot."""
+    kernel = _kernel.get()
+    if kernel == "xla" or not weights_whole or varying:
+        return None
+    if kernel == "interpret":
+        return Plan(_row_tile.get() or 8, interpret=True)
+    on_tpu = jax.default_backend() == "tpu"
+    if kernel == "auto" and not (on_tpu and jnp.dtype(dtype) == jnp.bfloat16):
+        return None
+    if any(d % 128 for d in dims):
+        return None
+    tm = _row_tile.get() or row_tile(rows, num_groups)
+    limit = _VMEM_LIMIT_V4 if on_tpu and "v4" in jax.devices()[0].device_kind.lower() \
+        else VMEM_LIMIT
+    p = Plan(tm, vmem_limit=limit)
+    return p if p.fits(dims, jnp.dtype(dtype).itemsize) else None
+
+
+def row_tile(rows: int, num_groups: int) -> int:
+    """The row tile with the least expected time: the kernels compute each group padded
+    to whole tiles (half a tile wasted per group on average) and a grid step costs
+    `STEP_OVERHEAD_ROWS` rows of work; the XLA ops around them (gathers, the layout) run
+    over all `rows + num_groups * tm` rows the layout may need, at `STATIC_ROW_COST` of a
+    computed row's time each."""
+    def cost(tm: int) -> float:
+        computed = (rows + num_groups * tm / 2) * (1 + STEP_OVERHEAD_ROWS / tm)
+        return computed + STATIC_ROW_COST * (rows + num_groups * tm)
+    return min(ROW_TILES, key=cost)
