@@ -106,7 +106,7 @@ def user_frame(eqn) -> tuple[str, int] | None:
     of JAX's own (MaxText's compat shim around `jax.lax.top_k`), as the analyzer does."""
     from jax._src import source_info_util
 
-    from .analyzer._stack import is_jax_shim
+    from .internal import is_jax_shim
 
     traceback = eqn.source_info.traceback
     frames = source_info_util.user_frames(traceback) if traceback else ()

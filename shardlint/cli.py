@@ -158,7 +158,7 @@ def _negative_values_attached(argv: list[str]) -> list[str]:
 
 
 def _commands():
-    from .commands._run import analyze_command, check_command, demo_command, report_command
+    from .commands import analyze_command, check_command, demo_command, report_command
 
     return {"analyze": analyze_command, "report": report_command, "check": check_command,
             "demo": demo_command}

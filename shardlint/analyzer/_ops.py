@@ -98,8 +98,9 @@ TOKEN_OPCODES = opcodes(Role.TOKENS)
 JAXPR_LAYOUT = primitives(Role.LAYOUT)
 SAME_DIMS = primitives(Role.SAME_DIMS)
 WEIGHT_PATH_OPCODES = opcodes(Role.WEIGHT_PATH)
-# For the rewrites: the jaxpr routing ops (`rewrites/_grow.py`'s ROUTING_OPS) and the ops a
-# routed finding names (`rewrites/_rewrite.py`'s _ROUTING_FINDING_OPS, in the spelling
-# findings use: a cumulative op detected in HLO without a JAX name is "reduce-window").
+# For the rewrites: the jaxpr routing ops (run per shard where XLA would gather their
+# inputs, `rewrites/_grow.py`) and the ops a routed finding names (`rewrites/_lost.py`, in
+# the spelling findings use: a cumulative op detected in HLO without a JAX name is
+# "reduce-window"; JAX 0.12 often names the matmul that feeds top_k instead of top_k).
 ROUTING_PRIMITIVES = primitives(Role.ROUTING)
 ROUTING_FINDING_OPS = primitives(Role.ROUTING_FINDING) | opcodes(Role.ROUTING_FINDING)

@@ -7,6 +7,10 @@ here; `shardlint.cli` only parses arguments and calls them, and the library pack
 """
 
 from ._check import run_check as run_check
+from ._run import analyze_command as analyze_command
+from ._run import check_command as check_command
+from ._run import demo_command as demo_command
+from ._run import report_command as report_command
 from ._demo import run_demo as run_demo
 from ._sweep import analyze_pair as analyze_pair
 from ._sweep import parse_sweep_spec as parse_sweep_spec

@@ -14,11 +14,9 @@ import shlex
 from typing import Callable
 
 from .._vocab import COLLECTIVE_KINDS
-from ..gate._baseline import BaselineError, read_baseline
-from ..gate._compare import compare, mesh_text, parse_kinds, parse_tolerance
-from ..gate._formats import render
-from ..gate._gate import BaselineRef, default_root, record
-from ..gate._wording import headline
+from ..gate import (BaselineError, BaselineRef, compare, default_root, parse_kinds,
+                    parse_tolerance, read_baseline, render)
+from ..internal import headline, mesh_text, record
 
 
 def update_command(target: str | None, mesh: str | None, baseline: str, root: str | None = None,

@@ -33,7 +33,7 @@ def _writable_folder(path: str, what: str) -> None:
 
 def analyze_command(args) -> int:
     from ..analyzer import analyze
-    from ..analyzer._fit import fit_of
+    from ..internal import fit_of
     from ..reports import format_scopes, format_text, write_json
 
     from_dump = reads_dump(args)
@@ -175,7 +175,7 @@ def _sweep(args, plan, rewrite: bool, known=None) -> dict:
 
 def _report_fit(args, before, after) -> bool:
     """Prints the memory fit of each side; False when the step as reported would not fit."""
-    from ..analyzer._fit import fit_of
+    from ..internal import fit_of
 
     for label, analysis in (("step", before), ("rewritten step", after)):
         fit = fit_of(analysis, args.hbm_gib) if analysis is not None else None

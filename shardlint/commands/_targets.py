@@ -198,7 +198,7 @@ def _described(value) -> str:
 def mesh_of_args(args, target: str):
     """The mesh a target that built its own put its arguments on (`--devices`)."""
     from .._errors import AnalysisError
-    from ..analyzer._compile import mesh_of
+    from ..internal import mesh_of
 
     try:
         return mesh_of(args)
@@ -208,7 +208,7 @@ def mesh_of_args(args, target: str):
 
 def check_mesh(args, mesh) -> None:
     """The arguments' mesh must be the one `--mesh` built."""
-    from ..analyzer._compile import mesh_of
+    from ..internal import mesh_of
 
     theirs = mesh_of(args)
     if (tuple(theirs.axis_names), theirs.devices.shape) != (tuple(mesh.axis_names), mesh.devices.shape):
@@ -220,6 +220,6 @@ def check_mesh(args, mesh) -> None:
 
 def build_topology_mesh(axes: dict[str, int], topology: str):
     """A mesh over the compile-only devices of a TPU topology (`--topology v5p:2x2x1`)."""
-    from ..analyzer._topology import topology_mesh
+    from ..internal import topology_mesh
 
     return topology_mesh(axes, topology)

@@ -19,7 +19,7 @@ import dataclasses
 
 from .._format import relative_source
 from ..analyzer import Collective
-from ..analyzer._collectives import primitive_of
+from ..internal import primitive_of
 
 SEPARATOR = " | "
 _NONE = "-"

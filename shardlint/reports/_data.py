@@ -22,7 +22,7 @@ import json
 from typing import Any
 
 from ..analyzer import Analysis
-from ..analyzer._scaling import MemoryScaling, memory_scaling
+from ..internal import MemoryScaling, memory_scaling
 from ._sweep import check_sweep
 
 REPORT_DATA_SCHEMA = "shardlint.report-data/1"

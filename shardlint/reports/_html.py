@@ -29,13 +29,13 @@ from markupsafe import Markup
 from .._errors import UsageError
 from .._format import human_bytes, source_text
 from ..analyzer import Analysis, Collective, Finding, Source, scope_tree
-from ..analyzer._op_paths import normalize_op_path
+from ..internal import normalize_op_path
 from ..gate import CollectiveKey, collective_key
 from ._svg import memory_chart_svg, neighbourhood_svg
-from ..analyzer._peak import peak_lines
+from ..internal import peak_lines
 from ._data import sweep_scalings
 from ._sweep import check_sweep, sweep_summary
-from ..analyzer._frames import helper_frames, shown_frames
+from ..internal import helper_frames, shown_frames
 
 REPORT_SCHEMA = "shardlint.report/1"
 _TEMPLATES = Path(__file__).with_name("templates")

@@ -7,8 +7,7 @@ import json
 from .._format import clip, human_bytes
 from .._vocab import FindingKind
 from ..analyzer import Analysis, scope_tree
-from ..analyzer._peak import peak_lines, unsourced
-from ..analyzer._frames import frames_text, helper_frames
+from ..internal import frames_text, helper_frames, peak_lines, unsourced
 
 
 def format_text(analysis: Analysis, title: str = "", fit=None) -> str:

@@ -26,17 +26,12 @@ import functools
 from .. import _jax
 from .._errors import RewriteError
 from .._token_axes import TokenAxes
-from ..analyzer._patterns import is_expert_batched_eqn, is_grouped_matmul_eqn, reads_expert_weights
-from ..analyzer._stack import display_path
+from ..internal import (ROUTING_PRIMITIVES, display_path, is_expert_batched_eqn,
+                        is_grouped_matmul_eqn, reads_expert_weights)
 from . import _refusals
 from ._flow import connected_parts, downstream, reaches, variables
 from ._subjaxprs import sub_of
 from ._token_ops import count, is_address, merges_seq, pull_in_constants, splits_tokens
-
-# Routing ops that XLA's partitioner may not split along batch or sequence (it gathers
-# their inputs); where the analysis found that, they run per shard.
-ROUTING_OPS = {"top_k", "sort", "scatter", "scatter-add", "scatter_add", "gather", "cumsum",
-               "cumprod", "cummax", "cummin", "argmax", "argmin"}
 
 
 # Comparisons whose answer does not change when labels are renamed one-to-one.
@@ -234,7 +229,7 @@ def _routed_operands(eqn) -> list:
 
 
 def _is_routing_op(eqn) -> bool:
-    if eqn.primitive.name in ROUTING_OPS:
+    if eqn.primitive.name in ROUTING_PRIMITIVES:  # XLA may gather their inputs: per shard
         return True
     sub = sub_of(eqn) if eqn.primitive.name in ("jit", "pjit") else None
     return sub is not None and any(_is_routing_op(e) for e in sub.jaxpr.eqns)

@@ -12,6 +12,8 @@ import dataclasses
 
 from .._errors import RewriteError
 from .._token_axes import TokenAxes
+from .._vocab import Cause
+from ..internal import ROUTING_FINDING_OPS
 from ._trace import Tokens
 
 
@@ -29,10 +31,6 @@ class Lost:
         return self.tokens.axes if self.tokens else None
 
 
-# Ops the analysis names where a routed layer loses the sharding without a flatten
-# (JAX 0.12 often names the matmul that feeds top_k instead of top_k itself).
-_ROUTING_FINDING_OPS = {"top_k", "scatter", "scatter-add", "gather", "sort", "cumsum",
-                        "reduce-window", "dot_general"}
 
 
 def lost_in(step, args, progress, analysis=None, params_argnums=None) -> Lost:
@@ -40,15 +38,15 @@ def lost_in(step, args, progress, analysis=None, params_argnums=None) -> Lost:
 
     if analysis is None:
         analysis = analyze(step, *args, params_argnums=params_argnums, progress=progress)
-    lost = [f for f in analysis.findings if f.cause == "lost"]
+    lost = [f for f in analysis.findings if f.cause == Cause.LOST]
     lines = frozenset((s.file, s.line) for s in
-                      [f.source for f in lost] + [c.source for c in analysis.collectives if c.cause == "lost"]
+                      [f.source for f in lost] + [c.source for c in analysis.collectives if c.cause == Cause.LOST]
                       if s is not None)
     # A flatten of (batch, seq) has the sequence sharded in its second dimension; a lost
     # reshape without that (attention's heads split off a score tensor) is no flatten.
     flattens = [t for f in lost if f.op == "reshape" and f.feeds_grouped_matmul and len(f.operand_spec) >= 2
                 for t in [_tokens_of(f)] if t.axes.seq]
-    routing = [t for f in lost if f.op in _ROUTING_FINDING_OPS and len(f.operand_spec) >= 3
+    routing = [t for f in lost if f.op in ROUTING_FINDING_OPS and len(f.operand_spec) >= 3
                for t in [_tokens_of(f)] if t.axes.seq]
     found = {t.axes: dataclasses.replace(t, roles=analysis.argument_roles)
              for t in reversed(flattens or routing)}   # the first finding's sizes

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from .. import _jax
 from .._errors import RewriteError
-from ..analyzer._stack import display_path
+from ..internal import display_path
 
 _CUMULATIVE = {"cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp"}
 # Producers whose non-token result is a sum over tokens: psum across shards restores it.

@@ -23,7 +23,7 @@ from ._step import JittedStep
 
 def uses_routed_moe(step: Callable, args) -> list:
     """The RoutedMoE configs the step calls (traced abstractly, nothing runs)."""
-    from ..moe._reference import served_by
+    from ..internal import served_by
 
     seen = []
 
@@ -62,7 +62,7 @@ class SwappedStep(JittedStep):
 
     def _call(self, body: Callable, *args):
         from ..moe import ShardedRoutedMoE
-        from ..moe._reference import served_by
+        from ..internal import served_by
 
         swapped = []
 

@@ -36,8 +36,7 @@ from .. import _jax
 from .._errors import RewriteError, first_line
 from .._token_axes import TokenAxes, as_axes, degree
 from .._wrapped import unwrap
-from ..analyzer._compile import parameter_argnums
-from ..analyzer._stack import display_path, is_library_file
+from ..internal import display_path, is_library_file, parameter_argnums
 from ._jitted import jit_equation
 from ._replay import inner_jaxpr
 from ._retrace import retrace

@@ -1,0 +1,80 @@
+"""The one seam between shardlint's packages: what a package lends the others beyond its
+public face (equinox's `internal` idiom). Not part of the user API; names may change.
+
+A package reaches another through that package's `__init__` or through this module, never
+through another package's private module (`tests/test_package_seams.py` fails on such an
+import). Each name loads its module on first use, so a package importing from here pulls
+in only what it names, and no import cycle can run through this module.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+# name -> the private module that defines it
+_LENT = {
+    # analyzer: reading source frames, meshes, devices and the program's patterns
+    "display_path": "shardlint.analyzer._stack",
+    "is_jax_shim": "shardlint.analyzer._stack",
+    "is_library_file": "shardlint.analyzer._stack",
+    "helper_frames": "shardlint.analyzer._frames",
+    "shown_frames": "shardlint.analyzer._frames",
+    "frames_text": "shardlint.analyzer._frames",
+    "normalize_op_path": "shardlint.analyzer._op_paths",
+    "primitive_of": "shardlint.analyzer._collectives",
+    "mesh_of": "shardlint.analyzer._compile",
+    "parameter_argnums": "shardlint.analyzer._compile",
+    "topology_devices": "shardlint.analyzer._topology",
+    "topology_mesh": "shardlint.analyzer._topology",
+    "fit_of": "shardlint.analyzer._fit",
+    "MemoryScaling": "shardlint.analyzer._scaling",
+    "memory_scaling": "shardlint.analyzer._scaling",
+    "peak_lines": "shardlint.analyzer._peak",
+    "unsourced": "shardlint.analyzer._peak",
+    "is_expert_batched_eqn": "shardlint.analyzer._patterns",
+    "is_grouped_matmul_eqn": "shardlint.analyzer._patterns",
+    "reads_expert_weights": "shardlint.analyzer._patterns",
+    "reshape_groups": "shardlint.analyzer._detect",
+    "ROUTING_PRIMITIVES": "shardlint.analyzer._ops",
+    "ROUTING_FINDING_OPS": "shardlint.analyzer._ops",
+    # gate: what the check command words and records
+    "mesh_text": "shardlint.gate._compare",
+    "record": "shardlint.gate._gate",
+    "headline": "shardlint.gate._wording",
+    # moe: which reference layer a sharded one serves (the rewrite's swap route)
+    "served_by": "shardlint.moe._reference",
+}
+
+__all__ = sorted(_LENT)
+
+if TYPE_CHECKING:  # what static checkers read; at run time each name loads on first use
+    from .analyzer._collectives import primitive_of
+    from .analyzer._compile import mesh_of, parameter_argnums
+    from .analyzer._detect import reshape_groups
+    from .analyzer._fit import fit_of
+    from .analyzer._frames import frames_text, helper_frames, shown_frames
+    from .analyzer._op_paths import normalize_op_path
+    from .analyzer._ops import ROUTING_FINDING_OPS, ROUTING_PRIMITIVES
+    from .analyzer._patterns import (is_expert_batched_eqn, is_grouped_matmul_eqn,
+                                     reads_expert_weights)
+    from .analyzer._peak import peak_lines, unsourced
+    from .analyzer._scaling import MemoryScaling, memory_scaling
+    from .analyzer._stack import display_path, is_jax_shim, is_library_file
+    from .analyzer._topology import topology_devices, topology_mesh
+    from .gate._compare import mesh_text
+    from .gate._gate import record
+    from .gate._wording import headline
+    from .moe._reference import served_by
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LENT:
+        raise AttributeError(f"module 'shardlint.internal' lends no {name!r}")
+    value = getattr(importlib.import_module(_LENT[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return __all__
