@@ -1,0 +1,259 @@
+"""Regenerates every example output quoted in README.md and docs/*.md by running the tool.
+
+A quoted output sits between two markers, and only there:
+
+    <!-- generated: NAME -->
+    ...what BLOCKS[NAME] writes...
+    <!-- end -->
+
+    python docs/regenerate.py            # rewrite the blocks (about 2 minutes: the demo)
+    python docs/regenerate.py --check    # exit 1 and name the blocks that would change
+    python docs/regenerate.py --only demo,schemas
+
+Outputs depend on the JAX version (the header of each names it): run it where the quoted
+outputs were made, Python 3.11 with JAX 0.10.2 (`.venv`), and the MaxText blocks, which
+need MaxText installed (Python 3.12, `pip install -e '.[maxtext]'`), there; a block
+whose requirement is missing is skipped and named. Each command runs in a fresh
+temporary folder, so paths print relative to the package (`shardlint/examples/steps.py`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import glob
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MARKER = re.compile(r"(<!-- generated: (\S+) -->\n)(.*?)(<!-- end -->)", re.S)
+MESH = "data=2,context=4"
+
+
+@dataclasses.dataclass(frozen=True)
+class Block:
+    write: Callable[[], str]     # the text between the markers
+    needs: str = ""              # a module that must import ("maxtext"), else skipped
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
+    env.pop("XLA_FLAGS", None)
+    return env
+
+
+@functools.cache
+def shardlint(*args: str, files: tuple[tuple[str, str], ...] = (), env: tuple = ()) -> tuple[str, str, str]:
+    """Runs `shardlint ARGS` in a fresh folder holding `files`; (stdout, stderr, folder)."""
+    folder = tempfile.mkdtemp(prefix="shardlint-docs-")
+    for name, text in files:
+        with open(os.path.join(folder, name), "w", encoding="utf-8") as fh:
+            fh.write(text)
+    run = subprocess.run([sys.executable, "-m", "shardlint.cli", *args], cwd=folder,
+                         env={**_env(), **dict(env)}, capture_output=True, text=True)
+    if run.returncode not in (0, 1):
+        raise RuntimeError(f"shardlint {' '.join(args)} exited {run.returncode}:\n{run.stderr}")
+    return run.stdout.replace(folder, "..."), run.stderr.replace(folder, "..."), folder
+
+
+def fenced(text: str, lang: str = "") -> str:
+    return f"```{lang}\n{text.rstrip()}\n```\n"
+
+
+def _code_block_after(marker: str) -> str:
+    """The code block right after `<!-- file: NAME -->` in README.md (model.py)."""
+    readme = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+    found = re.search(re.escape(marker) + r"\n```python\n(.*?)```", readme, re.S)
+    if not found:
+        raise RuntimeError(f"README.md has no code block after {marker}")
+    return found.group(1)
+
+
+def model_files() -> tuple[tuple[str, str], ...]:
+    return (("model.py", _code_block_after("<!-- file: model.py -->")),)
+
+
+def demo() -> str:
+    out, _, _ = shardlint("demo")
+    return fenced(out)
+
+
+def analyze_steps() -> str:
+    out, _, _ = shardlint("analyze", "shardlint.examples.steps:make_step", "--mesh", MESH)
+    return fenced(out)
+
+
+def model_findings() -> str:
+    out, _, _ = shardlint("analyze", "model.py:make_step", "--mesh", MESH, files=model_files())
+    lines = out.splitlines()
+    keep = [lines[0], ""] + [x for x in lines if re.match(r"\d+ finding|  \[\d+\]", x)]
+    return fenced("\n".join(keep))
+
+
+def by_scope() -> str:
+    out, _, _ = shardlint("analyze", "shardlint.examples.decoder:make_step", "--mesh", MESH, "--by-scope")
+    lines = out.splitlines()
+    start = next(i for i, x in enumerate(lines) if x.startswith("collectives by scope"))
+    return fenced("\n".join(lines[start:start + 11] + ["      ..."]))
+
+
+def peak_buffers() -> str:
+    out, _, _ = shardlint("analyze", "shardlint.examples.steps:make_step", "--mesh", MESH)
+    lines = out.splitlines()
+    start = next(i for i, x in enumerate(lines) if x.startswith("memory per device"))
+    return fenced("\n".join(lines[start:start + 5] + ["     ..."]))
+
+
+def baseline() -> str:
+    _, _, folder = shardlint("check", "model.py:make_step", "--mesh", MESH, "--update", files=model_files())
+    with open(os.path.join(folder, "shardlint.baseline.json"), encoding="utf-8") as fh:
+        return fenced(fh.read(), "json")
+
+
+def _find(pattern: str, text: str) -> str:
+    """The repository file matching `pattern` that holds `text` (helpers may move)."""
+    for path in sorted(glob.glob(os.path.join(ROOT, pattern), recursive=True)):
+        with open(path, encoding="utf-8") as fh:
+            if text in fh.read():
+                return path
+    raise RuntimeError(f"no {pattern} holds {text!r}")
+
+
+def xla_dump() -> str:
+    job = _find("tests/**/dump_job.py", "def build")
+    dump = tempfile.mkdtemp(prefix="shardlint-dump-")
+    flags = (f"--xla_force_host_platform_device_count=8 --xla_dump_to={dump} --xla_dump_hlo_as_text "
+             f"--xla_dump_hlo_pass_re=shardy-xla|sharding-propagation")
+    subprocess.run([sys.executable, job, "steps.make_step", MESH], cwd=ROOT, check=True,
+                   env={**_env(), "XLA_FLAGS": flags}, capture_output=True)
+    out, err, _ = shardlint("analyze", "--xla-dump", dump)
+    lines = out.replace(dump, "/tmp/xla_dump").splitlines()
+    end = next(i for i, x in enumerate(lines) if x.strip() and i > 2 and not re.match(r"\s*(\d+ finding|\[\d+\]| {5})", x))
+    memory = next(x for x in lines if x.startswith("memory per device"))
+    findings = [x.split("  -> ")[0].rstrip() for x in lines[:end] if not x.startswith("      ")]
+    text = (f"$ XLA_FLAGS=\"{flags.replace(dump, '/tmp/xla_dump')}\" \\\n"
+            f"    python {os.path.relpath(job, ROOT)} steps.make_step {MESH}\n"
+            f"$ shardlint analyze --xla-dump /tmp/xla_dump\n"
+            + err.replace(dump, "/tmp/xla_dump") + "\n".join(findings).rstrip() + "\n  ...\n" + memory)
+    return fenced(text)
+
+
+def api() -> str:
+    """Runs the README's Python API example as a user would, and quotes what it prints."""
+    folder = tempfile.mkdtemp(prefix="shardlint-docs-")
+    with open(os.path.join(folder, "api.py"), "w", encoding="utf-8") as fh:
+        fh.write(_code_block_after("<!-- file: api.py -->"))
+    run = subprocess.run([sys.executable, "api.py"], cwd=folder, env=_env(), capture_output=True,
+                         text=True, check=True)
+    return fenced(run.stdout)
+
+
+def schemas() -> str:
+    spec = importlib.util.spec_from_file_location("schema_page", os.path.join(ROOT, "docs", "schema_page.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.schema_page()
+
+
+MAXTEXT_MOE = ("analyze", "shardlint.integrations.maxtext_moe:make_moe_step", "--devices", "8", "--set", "sparse=false")
+MAXTEXT = ("shardlint.integrations.maxtext:make_step", "--devices", "8",
+           "--set", "decoder_block=mixtral", "--set", "base_num_decoder_layers=2", "--set", "base_emb_dim=64",
+           "--set", "base_mlp_dim=128", "--set", "base_moe_mlp_dim=128", "--set", "num_experts=8",
+           "--set", "num_experts_per_tok=2", "--set", "base_num_query_heads=4", "--set", "base_num_kv_heads=4",
+           "--set", "head_dim=16", "--set", "vocab_size=256", "--set", "max_target_length=128",
+           "--set", "per_device_batch_size=1", "--set", "dtype=float32", "--set", "weight_dtype=float32",
+           "--set", "capacity_factor=-1", "--set", "sparse_matmul=false", "--set", "ici_data_parallelism=2",
+           "--set", "ici_context_parallelism=4", "--set", "scan_layers=false")
+
+
+def maxtext_moe() -> str:
+    out, _, _ = shardlint(*MAXTEXT_MOE)
+    return fenced(out)
+
+
+def _finding_headers(out: str) -> str:
+    lines = out.splitlines()
+    return fenced("\n".join([lines[0]] + [x for x in lines if re.match(r"\d+ finding|  \[\d+\]", x)]))
+
+
+def maxtext_findings() -> str:
+    return _finding_headers(shardlint("analyze", *MAXTEXT)[0])
+
+
+def maxtext_rewritten() -> str:
+    return _finding_headers(shardlint("analyze", *MAXTEXT, "--rewrite")[0])
+
+
+BLOCKS: dict[str, Block] = {
+    "demo": Block(demo),
+    "model-findings": Block(model_findings),
+    "analyze-steps": Block(analyze_steps),
+    "by-scope": Block(by_scope),
+    "peak-buffers": Block(peak_buffers),
+    "baseline": Block(baseline),
+    "xla-dump": Block(xla_dump),
+    "api": Block(api),
+    "schemas": Block(schemas),
+    "maxtext-moe": Block(maxtext_moe, needs="maxtext"),
+    "maxtext-findings": Block(maxtext_findings, needs="maxtext"),
+    "maxtext-rewritten": Block(maxtext_rewritten, needs="maxtext"),
+}
+
+
+def pages() -> list[str]:
+    return [os.path.join(ROOT, "README.md")] + sorted(glob.glob(os.path.join(ROOT, "docs", "*.md")))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="change nothing; exit 1 if a block would change")
+    parser.add_argument("--only", default="", help="comma-separated block names")
+    args = parser.parse_args(argv)
+    only = set(filter(None, args.only.split(",")))
+    unknown = only - set(BLOCKS)
+    if unknown:
+        parser.error(f"unknown block(s) {', '.join(sorted(unknown))}; choose from {', '.join(BLOCKS)}")
+    seen, stale, skipped = set(), [], []
+    for page in pages():
+        text = open(page, encoding="utf-8").read()
+
+        def replace(match: re.Match) -> str:
+            name = match.group(2)
+            if name not in BLOCKS:
+                raise SystemExit(f"{os.path.relpath(page, ROOT)}: unknown block {name!r}")
+            seen.add(name)
+            block = BLOCKS[name]
+            if only and name not in only:
+                return match.group(0)
+            if block.needs and importlib.util.find_spec(block.needs) is None:
+                skipped.append(name)
+                return match.group(0)
+            print(f"regenerate: {name}", file=sys.stderr)
+            new = block.write()
+            if new != match.group(3):
+                stale.append(f"{os.path.relpath(page, ROOT)}: {name}")
+            return match.group(1) + new + match.group(4)
+
+        new_text = MARKER.sub(replace, text)
+        if new_text != text and not args.check:
+            with open(page, "w", encoding="utf-8") as fh:
+                fh.write(new_text)
+    missing = set(BLOCKS) - seen
+    if missing:
+        print(f"regenerate: no page holds block(s) {', '.join(sorted(missing))}", file=sys.stderr)
+        return 1
+    for name in skipped:
+        print(f"regenerate: skipped {name} (needs {BLOCKS[name].needs})", file=sys.stderr)
+    for where in stale:
+        print(f"{'stale' if args.check else 'rewrote'}: {where}", file=sys.stderr)
+    return 1 if args.check and stale else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
