@@ -18,7 +18,7 @@ from jax.sharding import AxisType
 
 import shardlint
 
-from . import cause_steps
+from support import cause_steps
 
 MESHES = [(2, 4), (4, 2)]
 

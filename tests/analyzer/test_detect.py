@@ -15,14 +15,14 @@ from jax.sharding import AxisType
 import shardlint
 from shardlint.examples import steps
 
-from . import _examples
+from support import example_analyses
 
 CONTEXTS = [2, 4, 8]
 
 
-_mesh = _examples.mesh
-_analysis = _examples.analysis
-SIZES = _examples.SIZES
+_mesh = example_analyses.mesh
+_analysis = example_analyses.analysis
+SIZES = example_analyses.SIZES
 
 
 def _line_of(function, text: str) -> int:

@@ -13,7 +13,7 @@ from shardlint.analyzer import MeshInfo, collectives_of, parse_hlo
 from shardlint.analyzer._devices import parse_tuple_sharding
 from shardlint.analyzer._hlo_text import _parse_attrs
 
-from . import collective_steps
+from support import collective_steps
 
 # (mesh shape, names, all-to-all axis, reduce-scatter axis, permute axis, all-reduce axis)
 MESHES = [

@@ -9,8 +9,8 @@ in): the partitioned module and the module after sharding propagation of a shard
 with every collective kind, a scanned FSDP step (while loops) and the routed MoE (sort,
 gather, scatter, top-k).
 
-`python -m tests.analyzer.test_hlo_fuzz [N]` prints how many of N mutations (random, not
-hypothesis) raise anything else, by exception type.
+`PYTHONPATH=tests python -m analyzer.test_hlo_fuzz [N]` prints how many of N mutations
+(random, not hypothesis) raise anything else, by exception type.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from shardlint.analyzer._graph import build_graph
 from shardlint.analyzer._hlo import Instruction, parse_hlo
 from shardlint.examples import steps
 
-from . import cause_steps, collective_steps
+from support import cause_steps, collective_steps
 
 KINDS = ("truncate", "drop_lines", "duplicate_lines", "flip_bracket", "flip_quote",
          "digit_to_letter")
@@ -160,6 +160,6 @@ def _count(n: int) -> None:
 if __name__ == "__main__":
     import sys
 
-    from tests import conftest  # noqa: F401 - the simulated device count
+    import conftest  # noqa: F401 - the simulated device count
 
     _count(int(sys.argv[1]) if len(sys.argv) > 1 else 400)

@@ -22,7 +22,7 @@ from shardlint.analyzer._buffers import parse_buffer_assignment, value_name
 from shardlint.analyzer._live_range import parse_live_range
 from shardlint.analyzer._peak import _paint, peak_lines
 
-from .test_dump import FULL_FLAGS, live_analysis, write_dumps
+from support.dumps import FULL_FLAGS, live_analysis, write_dumps
 
 STEPS = {"plain": "cause_steps.make_scatter_dispatch_step",
          "scan+remat": "cause_steps.make_scanned_layers_step",

@@ -22,8 +22,8 @@ from jax.sharding import AxisType
 import shardlint
 from shardlint.rewrites import verify_same
 
-from . import signature_steps
-from .signature_steps import LAYERS, SIGNATURES
+from support import signature_steps
+from support.signature_steps import LAYERS, SIGNATURES
 
 MESHES = {"2x4": (2, 4), "4x2": (4, 2)}
 

@@ -19,7 +19,7 @@ from shardlint.analyzer._stack import SourceLocation, display_path, user_stack
 from shardlint.examples import steps
 from shardlint.moe import _routing
 
-from ._markers import marker_line
+from support.markers import marker_line
 
 
 def _marker(tag: str) -> int:
@@ -190,7 +190,7 @@ def test_a_shim_installed_in_place_of_jax_top_k_is_not_the_users_line(monkeypatc
     import shardlint
     from shardlint import _jax
 
-    from . import cause_steps, jax_compat_shim
+    from support import cause_steps, jax_compat_shim
 
     monkeypatch.setattr(jax.lax, "top_k", jax_compat_shim.compat_top_k)
     mesh = jax.make_mesh((2, 4), ("data", "context"), axis_types=(AxisType.Auto,) * 2)

@@ -8,7 +8,7 @@ from jax.sharding import AxisType
 import shardlint
 from shardlint.analyzer._xla_log import captured_stderr, involuntary_rematerializations
 
-from .collective_steps import make_remat_step, marker_line
+from support.collective_steps import make_remat_step, marker_line
 
 
 def test_a_reshape_xla_must_replicate_is_a_finding_and_stays_off_the_terminal(capfd):

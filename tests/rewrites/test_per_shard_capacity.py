@@ -8,7 +8,7 @@ masks, the cumsum, the capacity, the dispatch, the expert einsums and the combin
 each shard's tokens with that shard's capacity (GShard groups), so nothing is gathered and
 temp memory stays flat as the context degree grows with the tokens per device fixed. The
 numbers are those of the layer run separately on each shard's tokens
-(`integrations.per_shard_reference`), not the original's: where the capacity binds, a
+(`support.per_shard_reference`), not the original's: where the capacity binds, a
 shard drops other tokens than the whole sequence would.
 """
 
@@ -24,9 +24,8 @@ from jax.sharding import AxisType
 import shardlint
 from shardlint.rewrites import verify_same
 
-from integrations.per_shard_reference import blocks_of, per_shard
-
-from . import rewrite_steps
+from support import rewrite_steps
+from support.per_shard_reference import blocks_of, per_shard
 
 
 def _mesh(context: int):

@@ -17,10 +17,8 @@ import shardlint
 from shardlint.rewrites import verify_same
 from shardlint.rewrites._subjaxprs import sub_of
 
-from analyzer import cause_steps
-from analyzer.cause_steps import EMB, LAYERS, SEQ
-
-from . import rewrite_steps
+from support import cause_steps, rewrite_steps
+from support.cause_steps import EMB, LAYERS, SEQ
 
 # name: (make, its keyword arguments, rewrite's keyword arguments)
 CASES = {
@@ -237,7 +235,7 @@ def test_config_length_mask_is_rewritten(built_in_step):
     assert fixed.changed is True
     assert _in_the_moe(before) and _in_the_moe(after) == []
     # The attention's own findings (its scores read the whole sequence) stay: not the MoE's.
-    assert {f.source.file for f in after.findings} == {"tests/rewrites/rewrite_steps.py"}
+    assert {f.source.file for f in after.findings} == {"tests/support/rewrite_steps.py"}
     assert after.memory.temp_bytes < before.memory.temp_bytes / 2
     assert verify_same(fn, fixed, args, rtol=1e-5, atol=1e-6)
 
@@ -250,7 +248,7 @@ def test_a_branch_on_the_sequence_length_is_rewritten_as_the_step_runs_it():
     fixed = shardlint.rewrite(fn, mesh, args=args)   # verifies the numbers
     assert fixed.changed is True
     assert re.fullmatch(r"the step traces into other equations at one shard's shapes at "
-                        r"tests/rewrites/rewrite_steps\.py:\d+: its jaxpr was traced there instead", fixed.notes[0])
+                        r"tests/support/rewrite_steps\.py:\d+: its jaxpr was traced there instead", fixed.notes[0])
     assert shardlint.analyze(fixed, *args).findings == ()
     assert verify_same(fn, fixed, args, rtol=1e-5, atol=1e-6)
 
@@ -261,7 +259,7 @@ REFUSED = {
     "a branch on the sequence length that mixes tokens": (
         rewrite_steps.make_size_branch_step, {"mixing": True},
         r"traces differently at one shard's shapes \(shape-dependent Python control flow "
-        r"at tests/rewrites/rewrite_steps\.py:\d+\?\); nor does its jaxpr \(an input of the "
+        r"at tests/support/rewrite_steps\.py:\d+\?\); nor does its jaxpr \(an input of the "
         r"step \(float32\[64,64\]\).*make the branch depend on the configuration"),
     "a contraction with the configured length": (
         rewrite_steps.make_token_mixing_step, {},

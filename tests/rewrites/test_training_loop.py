@@ -20,7 +20,7 @@ from shardlint.examples import decoder
 from shardlint.rewrites import JittedStep, SwappedStep
 from shardlint.rewrites._rewrite import random_like
 
-from analyzer import cause_steps
+from support import cause_steps
 
 STEPS = 5
 _COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"   # jax._src.dispatch

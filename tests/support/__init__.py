@@ -1,0 +1,7 @@
+"""What the tests share: step libraries, the dump job, references and helpers; no tests.
+
+Tests import it as `support` (`from support import cause_steps`): pytest puts `tests/` on
+`sys.path` when it loads `tests/conftest.py` (a conftest in a folder without `__init__.py`,
+the default `prepend` import mode). Scripts run outside pytest put `tests/` there themselves
+(`dump_job.py`, benchmarks/train_loop.py).
+"""
