@@ -15,7 +15,7 @@ import pytest
 import shardlint
 from shardlint.examples import steps
 
-from support import example_analyses
+from support import context_mesh, example_analyses
 
 
 @pytest.fixture
@@ -42,7 +42,7 @@ def _signature(analysis: shardlint.Analysis):
 
 
 def test_same_analysis_twice_with_the_cache_on(persistent_cache):
-    fn, args = steps.make_step(example_analyses.mesh(4), example_analyses.SIZES)
+    fn, args = steps.make_step(context_mesh(4), example_analyses.SIZES)
     first = shardlint.analyze(fn, *args)
     second = shardlint.analyze(fn, *args)
     assert first.findings and _signature(first) == _signature(second)

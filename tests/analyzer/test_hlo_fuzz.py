@@ -22,7 +22,6 @@ import jax
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from jax.sharding import AxisType
 
 from shardlint import HloParseError
 from shardlint.analyzer import MeshInfo
@@ -31,7 +30,7 @@ from shardlint.analyzer._graph import build_graph
 from shardlint.analyzer._hlo import Instruction, parse_hlo
 from shardlint.examples import steps
 
-from support import cause_steps, collective_steps
+from support import build_mesh, cause_steps, collective_steps
 
 KINDS = ("truncate", "drop_lines", "duplicate_lines", "flip_bracket", "flip_quote",
          "digit_to_letter")
@@ -52,7 +51,7 @@ def _steps(mesh):
 
 def real_modules(dump_root) -> list[tuple[str, str, MeshInfo]]:
     """(name, HLO text, mesh) of each step's partitioned and propagated module."""
-    mesh = jax.make_mesh((2, 4), ("data", "context"), axis_types=(AxisType.Auto,) * 2)
+    mesh = build_mesh({"data": 2, "context": 4})
     info = MeshInfo.from_mesh(mesh)
     modules = []
     for name, (fn, args) in _steps(mesh).items():

@@ -5,3 +5,7 @@ Tests import it as `support` (`from support import cause_steps`): pytest puts `t
 the default `prepend` import mode). Scripts run outside pytest put `tests/` there themselves
 (`dump_job.py`, benchmarks/train_loop.py).
 """
+
+from .meshes import build_mesh as build_mesh
+from .meshes import context_mesh as context_mesh
+from .meshes import make_mesh as make_mesh

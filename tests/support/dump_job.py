@@ -19,17 +19,15 @@ import jax
 
 
 def build(step_name: str, axes: dict[str, int], topology: str | None):
-    from jax.sharding import AxisType
-
     from shardlint.examples import steps
-    from support import cause_steps
+    from support import build_mesh, cause_steps
 
     if topology:
         from shardlint.analyzer._topology import topology_mesh
 
         mesh = topology_mesh(axes, topology)
     else:
-        mesh = jax.make_mesh(tuple(axes.values()), tuple(axes), axis_types=(AxisType.Auto,) * len(axes))
+        mesh = build_mesh(axes)
     module, function, *signature = step_name.split(".")
     if module == "signature_steps":   # signature_steps.LAYER.SIGNATURE
         from support import signature_steps
