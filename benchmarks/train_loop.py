@@ -10,7 +10,7 @@ dispatch as a cached `jax.jit`: 0).
 Routes: `swap` (the built-in decoder, RoutedMoE swapped for ShardedRoutedMoE), `jaxpr` (a
 plain function: lax.scan over remat'd routed-MoE layers), `pre-jitted` (a `jax.jit` step
 with shardings and donation), `nnx` (`nnx.jit` with `nnx.Optimizer`; needs flax and optax).
-The last three are the test suite's steps (tests/analyzer/cause_steps.py).
+The last three are the test suite's steps (tests/support/cause_steps.py).
 
 By default the mesh is data=2 x context=4 of 8 simulated CPU devices and each step is
 rewritten where the analysis finds the sequence sharding lost. With --accelerator the mesh
@@ -45,7 +45,7 @@ from shardlint._wrapped import as_jitted  # noqa: E402
 from shardlint.examples import decoder  # noqa: E402
 from shardlint.rewrites._verify import random_like  # noqa: E402
 
-from analyzer import cause_steps  # noqa: E402
+from support import cause_steps  # noqa: E402
 
 _COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"   # jax._src.dispatch
 _compiles: list[str] = []

@@ -26,6 +26,15 @@ _FAST_KERNELS = "--xla_backend_optimization_level=0"
 os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_FAST_KERNELS}".strip()
 
 
+@pytest.fixture(scope="session")
+def mesh():
+    """data=2 x context=4 on Auto axes (`support.build_mesh`): the mesh most tests analyze on.
+    A test that parametrizes `mesh` itself gets its own values instead."""
+    from support import build_mesh
+
+    return build_mesh({"data": 2, "context": 4})
+
+
 @pytest.fixture
 def run_cli():
     """Runs `shardlint ARGS...` in a fresh process, as a user would: the environment's

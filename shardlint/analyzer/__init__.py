@@ -11,6 +11,11 @@ from ._graph import build_graph as build_graph
 from ._hlo import HloModule as HloModule
 from ._hlo import parse_hlo as parse_hlo
 from .._vocab import CAUSES as CAUSES
+from .._vocab import ArgumentRole as ArgumentRole
+from .._vocab import BufferRole as BufferRole
+from .._vocab import Cause as Cause
+from .._vocab import CollectiveKind as CollectiveKind
+from .._vocab import FindingKind as FindingKind
 from .._vocab import FINDING_KINDS as FINDING_KINDS
 from ._model import SCHEMA as SCHEMA
 from ._model import Analysis as Analysis

@@ -10,6 +10,7 @@ from ._baseline import read_baseline as read_baseline
 from ._baseline import write_baseline as write_baseline
 from ._baseline import DEFAULT_BASELINE as DEFAULT_BASELINE
 from ._compare import DEFAULT_KINDS as DEFAULT_KINDS
+from .._vocab import ChangeState as ChangeState
 from ._compare import Change as Change
 from ._compare import CheckResult as CheckResult
 from ._compare import compare as compare

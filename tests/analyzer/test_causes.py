@@ -14,22 +14,17 @@ import functools
 
 import jax
 import pytest
-from jax.sharding import AxisType
 
 import shardlint
 
-from . import cause_steps
+from support import build_mesh, cause_steps
 
 MESHES = [(2, 4), (4, 2)]
 
 
-def _mesh(data: int, context: int):
-    return jax.make_mesh((data, context), ("data", "context"), axis_types=(AxisType.Auto,) * 2)
-
-
 @functools.cache
 def _analysis(name: str, data: int = 2, context: int = 4) -> shardlint.Analysis:
-    fn, args = getattr(cause_steps, name)(_mesh(data, context))
+    fn, args = getattr(cause_steps, name)(build_mesh({"data": data, "context": context}))
     return shardlint.analyze(fn, *args)
 
 
@@ -91,7 +86,7 @@ def test_ulysses_all_to_alls_asked_with_constraints_are_layout():
 
 
 def test_fsdp_weight_gathers_are_weights_on_a_three_axis_mesh():
-    mesh = jax.make_mesh((2, 2, 2), ("data", "fsdp", "context"), axis_types=(AxisType.Auto,) * 3)
+    mesh = build_mesh({"data": 2, "fsdp": 2, "context": 2})
     fn, args = cause_steps.make_fsdp_step(mesh)
     analysis = shardlint.analyze(fn, *args)
     gathers = analysis.all_gathers()
@@ -99,11 +94,11 @@ def test_fsdp_weight_gathers_are_weights_on_a_three_axis_mesh():
     assert analysis.findings == ()
 
 
-def test_scanned_fsdp_weight_gathers_are_weights():
+def test_scanned_fsdp_weight_gathers_are_weights(mesh):
     """A loop's carried tuple keeps its elements' marks apart from the first pass on: the
     sliced layer weights are weights, not data because an activation rides in the same
     tuple (MaxText's scanned layers read as `lost` before)."""
-    fn, args = cause_steps.make_scanned_fsdp_step(_mesh(2, 4))
+    fn, args = cause_steps.make_scanned_fsdp_step(mesh)
     analysis = shardlint.analyze(fn, *args)
     gathers = analysis.all_gathers()
     assert gathers and all(c.in_loop for c in gathers)
@@ -141,7 +136,7 @@ def test_the_text_report_counts_loop_iterations_and_shows_causes():
     assert " lost " in text and " reduction " in text
 
 
-def test_weights_gathered_in_a_loop_inside_a_scan_are_weights():
+def test_weights_gathered_in_a_loop_inside_a_scan_are_weights(mesh):
     """ShardedRoutedMoE's pieces are gathered in a loop inside the scan over layers: the
     inner loop's body is walked before the scan's body has bound its carry, and a value
     with no marks yet must not merge the carried tuple's elements when marks arrive (the
@@ -151,7 +146,6 @@ def test_weights_gathered_in_a_loop_inside_a_scan_are_weights():
 
     from shardlint import moe
 
-    mesh = _mesh(2, 4)
     cfg = moe.MoeConfig(num_experts=8, top_k=2, emb_dim=32, mlp_dim=64)
     layer = moe.ShardedRoutedMoE(cfg, mesh, batch_axes="data", seq_axes="context")
     stacked = jax.tree.map(

@@ -15,7 +15,7 @@ import pytest
 import shardlint
 from shardlint.examples import steps
 
-from . import _examples
+from support import context_mesh, example_analyses
 
 
 @pytest.fixture
@@ -42,11 +42,11 @@ def _signature(analysis: shardlint.Analysis):
 
 
 def test_same_analysis_twice_with_the_cache_on(persistent_cache):
-    fn, args = steps.make_step(_examples.mesh(4), _examples.SIZES)
+    fn, args = steps.make_step(context_mesh(4), example_analyses.SIZES)
     first = shardlint.analyze(fn, *args)
     second = shardlint.analyze(fn, *args)
     assert first.findings and _signature(first) == _signature(second)
-    assert _signature(first) == _signature(_examples.analysis("make_step", 4))
+    assert _signature(first) == _signature(example_analyses.analysis("make_step", 4))
     # The analysis wrote nothing into the user's cache ...
     assert not persistent_cache.exists() or not any(persistent_cache.iterdir())
     # ... and the user's own compiles still use it.

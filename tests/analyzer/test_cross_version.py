@@ -14,7 +14,7 @@ import os
 import jax
 import pytest
 
-from . import _examples
+from support import example_analyses
 
 STEPS = ["make_step", "make_dense_step", "make_attention_step", "make_per_shard_step",
          "make_qwen3_style_step"]
@@ -23,7 +23,7 @@ STEPS = ["make_step", "make_dense_step", "make_attention_step", "make_per_shard_
 def signature() -> dict:
     out = {}
     for name in STEPS:
-        a = _examples.analysis(name, 4)  # shared with test_detect: compiled once
+        a = example_analyses.analysis(name, 4)  # shared with test_detect: compiled once
         by_id = {c.id: c for c in a.collectives}
         out[name] = {
             "findings": sorted(

@@ -15,14 +15,13 @@ from jax.sharding import AxisType
 import shardlint
 from shardlint.examples import steps
 
-from . import _examples
+from support import build_mesh, context_mesh, example_analyses
 
 CONTEXTS = [2, 4, 8]
 
 
-_mesh = _examples.mesh
-_analysis = _examples.analysis
-SIZES = _examples.SIZES
+_analysis = example_analyses.analysis
+SIZES = example_analyses.SIZES
 
 
 def _line_of(function, text: str) -> int:
@@ -129,7 +128,7 @@ def test_gspmd_propagation_gives_the_same_finding():
     previous = jax.config.jax_use_shardy_partitioner
     jax.config.update("jax_use_shardy_partitioner", False)
     try:
-        fn, args = steps.make_step(_mesh(4), SIZES)
+        fn, args = steps.make_step(context_mesh(4), SIZES)
         analysis = shardlint.analyze(fn, *args)
     finally:
         jax.config.update("jax_use_shardy_partitioner", previous)
@@ -142,7 +141,7 @@ def test_gspmd_propagation_gives_the_same_finding():
 def test_explicit_axis_mesh_works():
     # Under Explicit axes JAX itself refuses the naive flatten; code written for it
     # (here the per-shard MoE) analyzes as on an Auto mesh.
-    mesh = jax.make_mesh((2, 4), ("data", "context"), axis_types=(AxisType.Explicit,) * 2)
+    mesh = build_mesh({"data": 2, "context": 4}, AxisType.Explicit)
     fn, args = steps.make_per_shard_step(mesh, SIZES)
     analysis = shardlint.analyze(fn, *args)
     assert analysis.mesh == {"data": 2, "context": 4}
@@ -151,14 +150,14 @@ def test_explicit_axis_mesh_works():
 
 
 def test_arguments_on_two_meshes_are_an_error():
-    fn, args_a = steps.make_dense_step(_mesh(2))
-    _, args_b = steps.make_dense_step(_mesh(4))
+    fn, args_a = steps.make_dense_step(context_mesh(2))
+    _, args_b = steps.make_dense_step(context_mesh(4))
     with pytest.raises(shardlint.AnalysisError, match="different meshes"):
         shardlint.analyze(fn, args_a[0], args_b[1])
 
 
 def test_tracing_failure_is_an_analysis_error():
-    _, args = steps.make_dense_step(_mesh(2))
+    _, args = steps.make_dense_step(context_mesh(2))
 
     def broken(params, x):
         return x @ x  # shapes do not match

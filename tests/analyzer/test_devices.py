@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import AxisType, NamedSharding
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from shardlint.analyzer import MeshInfo, parse_replica_groups, parse_sharding
@@ -21,6 +21,8 @@ from shardlint.analyzer._compile import compile_step
 from shardlint import HloParseError
 from shardlint.analyzer._devices import axes_of_groups, replica_group_axes
 from shardlint.analyzer._hlo import parse_hlo
+
+from support import make_mesh
 
 MESH_2x4 = MeshInfo(("data", "context"), (2, 4))
 MESH_2x2x2 = MeshInfo(("data", "context", "expert"), (2, 2, 2))
@@ -103,7 +105,7 @@ def test_manual_sharding_is_marked():
     ((2, 2, 2), ("data", "context", "expert"), P("expert", None, "context")),
 ])
 def test_parameter_shardings_that_jax_printed_decode_to_the_spec(shape, names, spec):
-    mesh = jax.make_mesh(shape, names, axis_types=(AxisType.Auto,) * len(names))
+    mesh = make_mesh(shape, names)
     x = jax.ShapeDtypeStruct((8, 8, 8), jnp.float32, sharding=NamedSharding(mesh, spec))
     compiled = compile_step(lambda x: x * 2, (x,))
     module = parse_hlo(compiled.dumped.propagated)

@@ -2,7 +2,7 @@
 
 Each dump is written in the test session by a process that runs the step with
 `XLA_FLAGS=--xla_dump_to=... --xla_dump_hlo_as_text --xla_dump_hlo_pass_re=...` set, as a
-user's job would (tests/analyzer/dump_job.py), on the installed JAX; no HLO is checked in.
+user's job would (tests/support/dump_job.py), on the installed JAX; no HLO is checked in.
 The live analysis of the same step in this process is the reference: the dump must give
 the same collectives, causes, requested reshardings, memory and findings.
 
@@ -16,23 +16,19 @@ are identical in full (`test_tpu_dump_gives_the_live_findings_in_full`, marked t
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import jax
 import pytest
 
 from shardlint import AnalysisError, HloParseError, analyze, analyze_dump
-from shardlint.analyzer._dump import PROPAGATION_PASSES, read_dump
+from shardlint.analyzer._dump import read_dump
 
-from .dump_job import build
+from support.dump_job import build
+from support.dumps import FULL_FLAGS, live_analysis, write_dumps
 
-JOB = Path(__file__).with_name("dump_job.py")
-FULL_FLAGS = f"--xla_dump_hlo_as_text --xla_dump_hlo_pass_re={PROPAGATION_PASSES}"
 # (step, mesh) pairs of the jobs, each dumped in its own process.
 CASES = {
     "moe 2x4": ("steps.make_step", {"data": 2, "context": 4}),
@@ -42,34 +38,6 @@ CASES = {
     "fsdp weights": ("cause_steps.make_fsdp_step", {"data": 2, "context": 4}),
     "scanned layers": ("cause_steps.make_scanned_layers_step", {"data": 2, "context": 4}),
 }
-
-
-def write_dumps(root: Path, jobs: dict[str, tuple], flags: str = FULL_FLAGS,
-                topology: str | None = None, env_extra: dict | None = None) -> dict[str, Path]:
-    """Runs every job in its own process (two at a time) and returns their dump folders."""
-    folders, running = {}, []
-    for label, (step, axes) in jobs.items():
-        folder = root / label.replace(" ", "_").replace(",", "")
-        devices = "" if topology else f"--xla_force_host_platform_device_count={math.prod(axes.values())} "
-        env = {**os.environ, "XLA_FLAGS": f"{devices}--xla_dump_to={folder} {flags}",
-               # this session's own libtpu holds its lockfile; the job loads another
-               **({"ALLOW_MULTIPLE_LIBTPU_LOAD": "1"} if topology else {}), **(env_extra or {})}
-        argv = [sys.executable, str(JOB), step, ",".join(f"{k}={v}" for k, v in axes.items())]
-        running.append((label, subprocess.Popen(argv + ([topology] if topology else []), env=env,
-                                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)))
-        folders[label] = folder
-        if len(running) == 2 or label == list(jobs)[-1]:
-            for name, proc in running:
-                _, err = proc.communicate(timeout=600)
-                assert proc.returncode == 0, f"the {name} job failed:\n{err[-3000:]}"
-            running = []
-    return folders
-
-
-def live_analysis(step_name: str, axes: dict[str, int]):
-    """The same step, built by the job's own function, analyzed live in this process."""
-    step, args = build(step_name, axes, None)
-    return analyze(step, *args)
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import pytest
-from jax.sharding import AxisType, NamedSharding
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from shardlint import HloParseError
@@ -14,7 +14,7 @@ from shardlint.analyzer._devices import parse_tuple_sharding
 from shardlint.analyzer._hlo_text import _parse_attrs
 from shardlint.analyzer._trips import trip_count
 
-from . import collective_steps
+from support import collective_steps, make_mesh
 
 # (mesh shape, names, all-to-all axis, reduce-scatter axis, permute axis, all-reduce axis)
 MESHES = [
@@ -25,7 +25,7 @@ MESHES = [
 
 
 def _compiled(shape, names, *axes):
-    mesh = jax.make_mesh(shape, names, axis_types=(AxisType.Auto,) * len(names))
+    mesh = make_mesh(shape, names)
     fn, args = collective_steps.make_collectives_step(mesh, *axes)
     text = jax.jit(fn).lower(*args).compile().as_text()
     return mesh, text
@@ -200,8 +200,7 @@ def _scan_of_4(x):
     return jax.lax.scan(body, x[0], x[:4])[0]
 
 
-def test_trip_count_of_a_scan_of_4(tmp_path):
-    mesh = jax.make_mesh((2, 4), ("data", "context"), axis_types=(AxisType.Auto,) * 2)
+def test_trip_count_of_a_scan_of_4(tmp_path, mesh):
     x = jax.ShapeDtypeStruct((8, 16), jnp.float32, sharding=NamedSharding(mesh, P("data", "context")))
     compiled = jax.jit(_scan_of_4).lower(x).compile(compiler_options={
         "xla_dump_to": str(tmp_path), "xla_dump_hlo_pass_re": "shardy-xla|sharding-propagation"})

@@ -9,8 +9,8 @@ in): the partitioned module and the module after sharding propagation of a shard
 with every collective kind, a scanned FSDP step (while loops) and the routed MoE (sort,
 gather, scatter, top-k).
 
-`python -m tests.analyzer.test_hlo_fuzz [N]` prints how many of N mutations (random, not
-hypothesis) raise anything else, by exception type.
+`PYTHONPATH=tests python -m analyzer.test_hlo_fuzz [N]` prints how many of N mutations
+(random, not hypothesis) raise anything else, by exception type.
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ import jax
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from jax.sharding import AxisType
 
 from shardlint import HloParseError
 from shardlint.analyzer import MeshInfo
@@ -32,7 +31,7 @@ from shardlint.analyzer._graph import build_graph
 from shardlint.analyzer._hlo import Instruction, parse_hlo
 from shardlint.examples import steps
 
-from . import cause_steps, collective_steps
+from support import build_mesh, cause_steps, collective_steps
 
 KINDS = ("truncate", "drop_lines", "duplicate_lines", "flip_bracket", "flip_quote",
          "digit_to_letter")
@@ -53,7 +52,7 @@ def _steps(mesh):
 
 def real_modules(dump_root) -> list[tuple[str, str, MeshInfo]]:
     """(name, HLO text, mesh) of each step's partitioned and propagated module."""
-    mesh = jax.make_mesh((2, 4), ("data", "context"), axis_types=(AxisType.Auto,) * 2)
+    mesh = build_mesh({"data": 2, "context": 4})
     info = MeshInfo.from_mesh(mesh)
     modules = []
     for name, (fn, args) in _steps(mesh).items():
@@ -161,6 +160,6 @@ def _count(n: int) -> None:
 if __name__ == "__main__":
     import sys
 
-    from tests import conftest  # noqa: F401 - the simulated device count
+    import conftest  # noqa: F401 - the simulated device count
 
     _count(int(sys.argv[1]) if len(sys.argv) > 1 else 400)

@@ -13,7 +13,7 @@ import shutil
 import jax
 import jax.numpy as jnp
 import pytest
-from jax.sharding import AxisType, NamedSharding
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import shardlint
@@ -22,7 +22,7 @@ from shardlint.analyzer._buffers import parse_buffer_assignment, value_name
 from shardlint.analyzer._live_range import parse_live_range
 from shardlint.analyzer._peak import _paint, peak_lines
 
-from .test_dump import FULL_FLAGS, live_analysis, write_dumps
+from support.dumps import FULL_FLAGS, live_analysis, write_dumps
 
 STEPS = {"plain": "cause_steps.make_scatter_dispatch_step",
          "scan+remat": "cause_steps.make_scanned_layers_step",
@@ -66,10 +66,9 @@ def test_lines_group_the_buffers_of_one_op():
     assert any(line.backward for line in lines) and any(not line.backward for line in lines)
 
 
-def test_a_gathered_activation_that_is_the_largest_buffer_names_its_gather():
+def test_a_gathered_activation_that_is_the_largest_buffer_names_its_gather(mesh):
     """x is gathered over context at a flatten and then only summed: the gathered copy is
     the largest buffer at the peak, and it names the all-gather (lost)."""
-    mesh = jax.make_mesh((2, 4), ("data", "context"), axis_types=(AxisType.Auto,) * 2)
     x = jax.ShapeDtypeStruct((4, 256, 512), jnp.float32, sharding=NamedSharding(mesh, P("data", "context", None)))
 
     def step(x_BSD):

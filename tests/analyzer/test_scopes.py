@@ -6,18 +6,17 @@ from __future__ import annotations
 
 import functools
 
-import jax
-from jax.sharding import AxisType
-
 import shardlint
 from shardlint.analyzer import scope_tree
 from shardlint.analyzer._op_paths import BACKWARD, FORWARD, scope_of
 from shardlint.examples import decoder
 
+from support import build_mesh
+
 
 @functools.cache
 def _decoder_analysis():
-    mesh = jax.make_mesh((2, 4), ("data", "context"), axis_types=(AxisType.Auto,) * 2)
+    mesh = build_mesh({"data": 2, "context": 4})
     fn, args = decoder.make_step(mesh, decoder.DecoderConfig(layers=2))
     return shardlint.analyze(fn, *args)
 

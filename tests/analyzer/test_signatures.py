@@ -15,21 +15,15 @@ from __future__ import annotations
 import collections
 import warnings
 
-import jax
 import pytest
-from jax.sharding import AxisType
 
 import shardlint
 from shardlint.rewrites import verify_same
 
-from . import signature_steps
-from .signature_steps import LAYERS, SIGNATURES
+from support import make_mesh, signature_steps
+from support.signature_steps import LAYERS, SIGNATURES
 
 MESHES = {"2x4": (2, 4), "4x2": (4, 2)}
-
-
-def _mesh(shape):
-    return jax.make_mesh(shape, ("data", "context"), axis_types=(AxisType.Auto,) * 2)
 
 
 def _key(c) -> tuple:
@@ -42,7 +36,7 @@ def _key(c) -> tuple:
                                         for m in MESHES])
 def analyses(request):
     """{layer: {signature: Analysis}} on one mesh."""
-    mesh = _mesh(MESHES[request.param])
+    mesh = make_mesh(MESHES[request.param], ("data", "context"))
     out = {}
     for layer in LAYERS:
         out[layer] = {}
@@ -84,7 +78,7 @@ def test_fsdp_weight_gathers_are_weights_in_every_signature(analyses):
 
 def _rewritten(layer: str) -> dict:
     """{signature: (step, args, rewritten step)} of one layer on data=2 x context=4."""
-    mesh = _mesh(MESHES["2x4"])
+    mesh = make_mesh(MESHES["2x4"], ("data", "context"))
     out = {}
     for sig in SIGNATURES:
         step, args = signature_steps.make(layer, sig, mesh)
@@ -116,22 +110,20 @@ def test_the_same_regions_are_rewritten_in_every_signature(layer):
     assert len(notes) == 1, notes
 
 
-def test_params_argnums_names_the_parameters_for_the_rewrite_too():
+def test_params_argnums_names_the_parameters_for_the_rewrite_too(mesh):
     """With the parameters named, nothing is inferred: the batch-first step is rewritten
     as it is without the name."""
-    mesh = _mesh(MESHES["2x4"])
     step, args = signature_steps.make("flatten_ragged_dot", "batch_then_params", mesh)
     fixed = shardlint.rewrite(step, mesh, args=args, params_argnums=(1,))
     assert fixed.changed is True
     assert verify_same(step, fixed, args)
 
 
-def test_a_rng_draw_is_not_drawn_again_per_shard():
+def test_a_rng_draw_is_not_drawn_again_per_shard(mesh):
     """The train step's dropout mask is drawn over (batch, seq, emb) from its rng: the
     backward region reads it. Drawn again at one shard's size it would be another mask
     (the rewrite once computed another loss, |diff| 1e-5 at a loss of 2e-3); the region
     takes the global draw's slice instead."""
-    mesh = _mesh(MESHES["2x4"])
     step, args = signature_steps.make("flatten_ragged_dot", "params_opt_state_batch_rng", mesh)
     fixed = shardlint.rewrite(step, mesh, args=args)
     assert verify_same(step, fixed, args, rtol=1e-5, atol=1e-6)

@@ -6,15 +6,11 @@ import inspect
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import AxisType, NamedSharding
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from shardlint.analyzer._stablehlo import asked_for
 from shardlint.examples import steps
-
-
-def _mesh():
-    return jax.make_mesh((2, 4), ("data", "context"), axis_types=(AxisType.Auto,) * 2)
 
 
 def _line(function, text):
@@ -22,8 +18,8 @@ def _line(function, text):
     return start + next(i for i, line in enumerate(lines) if text in line)
 
 
-def test_sharding_constraints_with_their_specs_and_lines():
-    fn, args = steps.make_attention_step(_mesh())
+def test_sharding_constraints_with_their_specs_and_lines(mesh):
+    fn, args = steps.make_attention_step(mesh)
     asked = asked_for(jax.jit(fn).lower(*args).compiler_ir("stablehlo"))
     constraints = {(a.line, a.dims) for a in asked if a.op == "sharding_constraint"}
     k_line = _line(steps.attention_kv_gather, "k = jax.lax.with_sharding_constraint")
@@ -33,15 +29,15 @@ def test_sharding_constraints_with_their_specs_and_lines():
     assert all(a.file.endswith("examples/steps.py") for a in asked)
 
 
-def test_shard_map_specs_are_read():
-    fn, args = steps.make_per_shard_step(_mesh())
+def test_shard_map_specs_are_read(mesh):
+    fn, args = steps.make_per_shard_step(mesh)
     asked = asked_for(jax.jit(fn).lower(*args).compiler_ir("stablehlo"))
     maps = [a for a in asked if a.op == "shard_map"]
     assert maps and all(a.file.endswith("examples/steps.py") for a in maps)
 
 
-def test_a_step_that_asks_for_nothing():
-    fn, args = steps.make_step(_mesh())
+def test_a_step_that_asks_for_nothing(mesh):
+    fn, args = steps.make_step(mesh)
     assert [a for a in asked_for(jax.jit(fn).lower(*args).compiler_ir("stablehlo"))
             if a.op != "shard_map"] == []
 
@@ -63,8 +59,7 @@ def _model(x):
     return _layer(x) + 1  # <- model
 
 
-def test_a_constraint_in_a_helper_carries_the_whole_stack():
-    mesh = _mesh()
+def test_a_constraint_in_a_helper_carries_the_whole_stack(mesh):
     x = jax.ShapeDtypeStruct((8, 16), jnp.float32, sharding=NamedSharding(mesh, P("data", "context")))
     with jax.set_mesh(mesh):
         module = jax.jit(_model).lower(x).compiler_ir("stablehlo")
@@ -75,7 +70,7 @@ def test_a_constraint_in_a_helper_carries_the_whole_stack():
     assert asked.dims == (("data",), ()) and asked.shape == (8, 16)
 
 
-def test_shard_map_carries_its_stack_and_shape():
-    fn, args = steps.make_per_shard_step(_mesh())
+def test_shard_map_carries_its_stack_and_shape(mesh):
+    fn, args = steps.make_per_shard_step(mesh)
     maps = [a for a in asked_for(jax.jit(fn).lower(*args).compiler_ir("stablehlo")) if a.op == "shard_map"]
     assert maps and all(a.stack and (a.file, a.line) == a.stack[0] and a.shape for a in maps)

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import AxisType, NamedSharding
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from shardlint.analyzer import Source, _detect, _hlo
@@ -19,7 +19,7 @@ from shardlint.analyzer._stack import display_path, user_stack
 from shardlint.examples import steps
 from shardlint.moe import _routing
 
-from ._markers import marker_line
+from support.markers import marker_line
 
 
 def _marker(tag: str) -> int:
@@ -39,8 +39,7 @@ def _outer(x):
 
 
 @pytest.fixture(scope="module")
-def chain():
-    mesh = jax.make_mesh((2, 4), ("data", "context"), axis_types=(AxisType.Auto,) * 2)
+def chain(mesh):
     x = jax.ShapeDtypeStruct((8, 64), jnp.float32, sharding=NamedSharding(mesh, P("data", "context")))
     module = parse_hlo(jax.jit(_outer).lower(x).compile().as_text())
     return next(i for i in module.instructions() if i.opcode == "reduce-window")
@@ -184,16 +183,15 @@ def test_display_path_of_a_package_off_sys_path_is_relative_to_its_root(tmp_path
     assert display_path(str(module)) == "pkg/sub/layer.py"
 
 
-def test_a_shim_installed_in_place_of_jax_top_k_is_not_the_users_line(monkeypatch):
+def test_a_shim_installed_in_place_of_jax_top_k_is_not_the_users_line(monkeypatch, mesh):
     """MaxText replaces `jax.lax.top_k` with a compat shim; the finding and the rewrite's
     seed must name the model's top_k line, not the shim's."""
     import shardlint
     from shardlint import _jax
 
-    from . import cause_steps, jax_compat_shim
+    from support import cause_steps, jax_compat_shim
 
     monkeypatch.setattr(jax.lax, "top_k", jax_compat_shim.compat_top_k)
-    mesh = jax.make_mesh((2, 4), ("data", "context"), axis_types=(AxisType.Auto,) * 2)
     fn, args = cause_steps.make_scatter_dispatch_step(mesh)
     analysis = shardlint.analyze(fn, *args)
     files = {os.path.basename(f.source.file) for f in analysis.findings if f.op == "top_k"}

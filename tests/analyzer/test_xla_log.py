@@ -2,17 +2,13 @@
 
 from __future__ import annotations
 
-import jax
-from jax.sharding import AxisType
-
 import shardlint
 from shardlint.analyzer._xla_log import captured_stderr, involuntary_rematerializations
 
-from .collective_steps import make_remat_step, marker_line
+from support.collective_steps import make_remat_step, marker_line
 
 
-def test_a_reshape_xla_must_replicate_is_a_finding_and_stays_off_the_terminal(capfd):
-    mesh = jax.make_mesh((2, 4), ("data", "context"), axis_types=(AxisType.Auto,) * 2)
+def test_a_reshape_xla_must_replicate_is_a_finding_and_stays_off_the_terminal(capfd, mesh):
     fn, args = make_remat_step(mesh)
     analysis = shardlint.analyze(fn, *args)
     [finding] = [f for f in analysis.findings if f.kind == "full-rematerialization"]

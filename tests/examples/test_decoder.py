@@ -17,13 +17,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 import shardlint
 from shardlint.analyzer._stack import display_path
 from shardlint.examples import decoder
 from shardlint.moe import RoutedMoE
+
+from support import build_mesh
 
 # One layer for the compiled cases: it holds every op of the model and halves their
 # compile time. The slow rewrite case runs the default (two-layer) CLI target.
@@ -35,14 +36,9 @@ MESHES = {
 }
 
 
-def _mesh(axes: dict[str, int]) -> jax.sharding.Mesh:
-    return jax.make_mesh(tuple(axes.values()), tuple(axes),
-                         axis_types=(AxisType.Auto,) * len(axes))
-
-
 @functools.cache
 def _made(name: str):
-    mesh = _mesh(MESHES[name])
+    mesh = build_mesh(MESHES[name])
     step, args = decoder.make_step(mesh, CFG)
     return mesh, step, args
 
@@ -103,7 +99,7 @@ SPECS = [
 @pytest.mark.parametrize("axes, expected", SPECS,
                          ids=[",".join(f"{k}={n}" for k, n in a.items()) for a, _ in SPECS])
 def test_args_are_laid_out_as_designed(axes, expected):
-    mesh, cfg = _mesh(axes), decoder.DecoderConfig()
+    mesh, cfg = build_mesh(axes), decoder.DecoderConfig()
     _, (params, tokens, targets) = decoder.make_step(mesh, cfg)
     layer = params["layers"][0]
     got = (tokens.sharding.spec, params["embed"].sharding.spec, layer["wq"].sharding.spec,
@@ -123,13 +119,12 @@ def test_args_are_laid_out_as_designed(axes, expected):
 
 
 def test_spec_keeps_only_the_mesh_axes():
-    mesh = _mesh({"fsdp": 2, "context": 4})
+    mesh = build_mesh({"fsdp": 2, "context": 4})
     assert decoder.spec(mesh, decoder.BATCH, decoder.SEQ, None) == P("fsdp", "context", None)
     assert decoder.spec(mesh, decoder.HEADS, "context", ("data",)) == P(None, "context", None)
 
 
-def test_sizes_that_do_not_divide_are_refused_with_every_reason():
-    mesh = _mesh(MESHES["2x4"])
+def test_sizes_that_do_not_divide_are_refused_with_every_reason(mesh):
     bad = decoder.DecoderConfig(batch=3, seq=30)
     with pytest.raises(ValueError, match=r"batch=3 does not divide over data(.|\n)*"
                                          r"seq=30 does not divide over context \(4 shards\)"):
@@ -183,10 +178,9 @@ def test_analysis_finds_the_moe_flatten_losing_context(name):
 
 
 @pytest.mark.slow
-def test_rewrite_leaves_only_the_kv_gathers_over_context():
+def test_rewrite_leaves_only_the_kv_gathers_over_context(mesh):
     # A step of its own: rewrite finds RoutedMoE calls by tracing, which a step already
     # run under jax.jit (its trace cached) would hide.
-    mesh = _mesh(MESHES["2x4"])
     step, args = decoder.make_step(mesh)
     path, line = _flatten_line()
     before = shardlint.analyze(step, *args)

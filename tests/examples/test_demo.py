@@ -9,12 +9,12 @@ import functools
 import json
 from html.parser import HTMLParser
 
-import jax
 import pytest
-from jax.sharding import AxisType
 
 import shardlint
 from shardlint.examples import decoder
+
+from support import build_mesh
 
 CFG = decoder.DecoderConfig(layers=1)
 
@@ -22,8 +22,7 @@ CFG = decoder.DecoderConfig(layers=1)
 @functools.cache
 def _before_after(context: int):
     # data=1: the batch stays whole, so only context parallelism divides the tokens.
-    mesh = jax.make_mesh((1, context), ("data", "context"), axis_types=(AxisType.Auto,) * 2,
-                         devices=jax.devices()[:context])
+    mesh = build_mesh({"data": 1, "context": context})
     step, args = decoder.make_step(mesh, CFG)
     before = shardlint.analyze(step, *args)
     fixed = shardlint.rewrite(step, mesh, args=args, analysis=before, verify=True)

@@ -10,7 +10,6 @@ import json
 import os
 import sys
 
-import jax
 import pytest
 
 import shardlint
@@ -30,12 +29,6 @@ def _flatten_line() -> int:
     start = next(i for i, text in enumerate(lines) if text.startswith("def routed_moe("))
     return next(i + 1 for i in range(start, len(lines))
                 if "tokens_TD = x_BSD.reshape(b * s, d)" in lines[i])
-
-
-@pytest.fixture(scope="module")
-def mesh():
-    return jax.make_mesh((2, 4), ("data", "context"),
-                         axis_types=(jax.sharding.AxisType.Auto,) * 2)
 
 
 @pytest.fixture(scope="module")

@@ -27,7 +27,7 @@ from shardlint.analyzer._peak import peak_lines  # noqa: E402
 from shardlint.integrations import maxtext  # noqa: E402
 from shardlint.rewrites._verify import random_like  # noqa: E402
 
-from .per_shard_reference import blocks_of, maxtext_dense_moe_per_shard  # noqa: E402
+from support.per_shard_reference import blocks_of, maxtext_dense_moe_per_shard  # noqa: E402
 
 pytestmark = pytest.mark.maxtext
 

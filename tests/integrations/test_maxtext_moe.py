@@ -160,9 +160,9 @@ def test_sparse_path_is_returned_unchanged(cache_dir):
 
 @pytest.fixture(scope="module")
 def dense_in_signatures(cache_dir):
-    """MaxText's dense RoutedMoE in the three signatures of tests/analyzer/signature_steps:
+    """MaxText's dense RoutedMoE in the three signatures of tests/support/signature_steps:
     `step(x, *weights)`, `step(params, opt_state, batch, rng)`, `step(batch, params)`."""
-    from analyzer.signature_steps import SIGNATURES
+    from support.signature_steps import SIGNATURES
 
     layer, params, x = maxtext_moe.make_moe_layer(sparse=False, jax_cache_dir=cache_dir)
     steps = {sig: wrap(layer, params, x) for sig, wrap in SIGNATURES.items()}

@@ -14,17 +14,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import AxisType, NamedSharding
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from shardlint import moe
 
+from support import make_mesh
+
 B, S, D, F, E, K = 4, 16, 16, 32, 8, 2
 RTOL = ATOL = 1e-5
-
-
-def make_mesh(shape: tuple[int, ...], names: tuple[str, ...]) -> jax.sharding.Mesh:
-    return jax.make_mesh(shape, names, axis_types=(AxisType.Auto,) * len(shape))
 
 
 def config(**overrides: Any) -> moe.MoeConfig:

@@ -60,8 +60,7 @@ def test_rule_under_jit_on_auto_axes(lib, shape, names, x_shape, tensor, want):
 
 
 def test_explicit_mesh_type_is_read_and_the_layer_runs(lib):
-    mesh = jax.make_mesh((2, 4), ("data", "context"),
-                         axis_types=(AxisType.Explicit,) * 2)
+    mesh = lib.make_mesh((2, 4), ("data", "context"), AxisType.Explicit)
     cfg = lib.config()
     layer = moe.ShardedRoutedMoE(cfg, mesh)
     params = layer.init(jax.random.key(0))

@@ -16,8 +16,9 @@ import pytest
 
 from shardlint import analyze
 from shardlint.analyzer import Analysis, Collective, Source
-from shardlint.commands._targets import build_mesh
 from shardlint.examples import steps
+
+from support import build_mesh
 
 MESH = {"data": 2, "context": 4}
 SWEEP_VALUES = (1, 2, 4)

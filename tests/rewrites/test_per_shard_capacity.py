@@ -8,7 +8,7 @@ masks, the cumsum, the capacity, the dispatch, the expert einsums and the combin
 each shard's tokens with that shard's capacity (GShard groups), so nothing is gathered and
 temp memory stays flat as the context degree grows with the tokens per device fixed. The
 numbers are those of the layer run separately on each shard's tokens
-(`integrations.per_shard_reference`), not the original's: where the capacity binds, a
+(`support.per_shard_reference`), not the original's: where the capacity binds, a
 shard drops other tokens than the whole sequence would.
 """
 
@@ -17,25 +17,18 @@ from __future__ import annotations
 import functools
 import inspect
 
-import jax
 import pytest
-from jax.sharding import AxisType
 
 import shardlint
 from shardlint.rewrites import verify_same
 
-from integrations.per_shard_reference import blocks_of, per_shard
-
-from . import rewrite_steps
-
-
-def _mesh(context: int):
-    return jax.make_mesh((8 // context, context), ("data", "context"), axis_types=(AxisType.Auto,) * 2)
+from support import context_mesh, rewrite_steps
+from support.per_shard_reference import blocks_of, per_shard
 
 
 @functools.cache
 def _rewritten(context: int):
-    mesh = _mesh(context)
+    mesh = context_mesh(context)
     fn, args = rewrite_steps.make_maxtext_capacity_step(mesh)
     before = shardlint.analyze(fn, *args)
     fixed = shardlint.rewrite(fn, mesh, args=args, analysis=before, capacity="per-shard")
@@ -77,10 +70,9 @@ def test_numbers_are_the_layer_run_on_each_shards_tokens(context):
     ("positions", "# <- positions", r"a token.s position in its expert, .*\) leaves the routed region"),
     ("dispatched", "# <- dispatch", r"has a dimension sized by one shard's capacity"),
 ])
-def test_a_per_shard_value_leaving_the_layer_is_refused_at_its_line(leak, line, what):
+def test_a_per_shard_value_leaving_the_layer_is_refused_at_its_line(leak, line, what, mesh):
     source = inspect.getsource(rewrite_steps).splitlines()
     at = next(i + 1 for i, text in enumerate(source) if text.rstrip().endswith(line))
-    mesh = _mesh(4)
     fn, args = rewrite_steps.make_maxtext_capacity_step(mesh, leak=leak)
     way_out = "(Keep what reads|Contract the capacity)"
     with pytest.raises(shardlint.RewriteError, match=rf"rewrite_steps\.py:{at}\b.*{what}.*{way_out}"):

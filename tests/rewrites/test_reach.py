@@ -11,16 +11,13 @@ import re
 import jax
 import numpy as np
 import pytest
-from jax.sharding import AxisType
 
 import shardlint
 from shardlint.rewrites import verify_same
 from shardlint.rewrites._subjaxprs import sub_of
 
-from analyzer import cause_steps
-from analyzer.cause_steps import EMB, LAYERS, SEQ
-
-from . import rewrite_steps
+from support import build_mesh, cause_steps, context_mesh, rewrite_steps
+from support.cause_steps import EMB, LAYERS, SEQ
 
 # name: (make, its keyword arguments, rewrite's keyword arguments)
 CASES = {
@@ -47,17 +44,13 @@ CASES = {
 }
 
 
-def _mesh(context: int):
-    return jax.make_mesh((8 // context, context), ("data", "context"), axis_types=(AxisType.Auto,) * 2)
-
-
 @functools.cache
 def _case(name: str, context: int = 4):
     if name.startswith("nnx"):
         pytest.importorskip("flax")
         pytest.importorskip("optax")
     make, kwargs, rewrite_kwargs = CASES[name]
-    mesh = _mesh(context)
+    mesh = context_mesh(context)
     fn, args = make(mesh, **kwargs)
     before = shardlint.analyze(fn, *args)
     fixed = shardlint.rewrite(fn, mesh, args=args, analysis=before, **rewrite_kwargs)
@@ -84,11 +77,10 @@ def test_loss_and_every_gradient_are_unchanged(name):
 
 
 @pytest.mark.parametrize("scanned", [False, True], ids=["one layer", "nnx.scan"])
-def test_nnx_step_updates_model_and_optimizer_as_the_original(scanned):
+def test_nnx_step_updates_model_and_optimizer_as_the_original(scanned, mesh):
     pytest.importorskip("flax")
     from flax import nnx
 
-    mesh = _mesh(4)
     step, (model, optimizer, x) = cause_steps.make_nnx_step(mesh, concrete=True, scanned=scanned)
     fixed = shardlint.rewrite(step, mesh, args=(model, optimizer, x))
     assert fixed.changed is True
@@ -135,12 +127,11 @@ def test_scanned_step_keeps_its_scans_and_layer_count(name):
     assert got == want
 
 
-def test_traces_whose_scan_operands_differ_are_paired_by_use():
+def test_traces_whose_scan_operands_differ_are_paired_by_use(mesh):
     """The per-shard trace gives the scan other operands than the global one (one cached
     table where there are two); the pairing follows the body's uses, not positions."""
     from shardlint.rewrites._trace import TokenAxes, Tokens, pair_vars, trace_step
 
-    mesh = _mesh(4)
     fn, args = rewrite_steps.make_size_cached_tables_step(mesh)
     traces = trace_step(fn, args, Tokens(TokenAxes(("data",), ("context",))), mesh)
     g, l = traces.global_jaxpr.jaxpr, traces.local_jaxpr.jaxpr
@@ -184,8 +175,7 @@ def test_a_retraced_step_cannot_opt_in_to_per_shard_capacity(request):
 def _temps(make, context: int) -> tuple[int, int]:
     """Per-device temp bytes of `make`'s step before and after the rewrite, on `context`
     devices that shard only the sequence (the batch per device stays the same)."""
-    devices = np.array(jax.devices()[:context]).reshape(1, context)
-    mesh = jax.sharding.Mesh(devices, ("data", "context"), axis_types=(AxisType.Auto,) * 2)
+    mesh = build_mesh({"data": 1, "context": context})
     fn, args = make(mesh)
     before = shardlint.analyze(fn, *args)
     if context == 1:
@@ -206,10 +196,9 @@ def test_temp_memory_falls_with_the_context_degree(make, context):
     assert before > 1.15 * ideal
 
 
-def test_flattened_routing_leaving_the_step_is_refused_never_miscomputed():
+def test_flattened_routing_leaving_the_step_is_refused_never_miscomputed(mesh):
     """Tokens in per-shard order mean something else outside the region: the rewrite
     refuses to return them and names the line of the op that made them (top_k)."""
-    mesh = _mesh(4)
     fn, args = rewrite_steps.make_routing_returned_step(mesh)
     with pytest.raises(shardlint.RewriteError,
                        match=r"per-shard value \(int32\[512,2\] at shardlint/examples/steps\.py:\d+.*"
@@ -219,7 +208,7 @@ def test_flattened_routing_leaving_the_step_is_refused_never_miscomputed():
 
 @functools.cache
 def _config_mask_case(built_in_step: bool):
-    mesh = _mesh(4)
+    mesh = context_mesh(4)
     fn, args = rewrite_steps.make_config_mask_step(mesh, built_in_step=built_in_step)
     before = shardlint.analyze(fn, *args)
     fixed = shardlint.rewrite(fn, mesh, args=args, analysis=before)
@@ -238,20 +227,19 @@ def test_config_length_mask_is_rewritten(built_in_step):
     assert fixed.changed is True
     assert _in_the_moe(before) and _in_the_moe(after) == []
     # The attention's own findings (its scores read the whole sequence) stay: not the MoE's.
-    assert {f.source.file for f in after.findings} == {"tests/rewrites/rewrite_steps.py"}
+    assert {f.source.file for f in after.findings} == {"tests/support/rewrite_steps.py"}
     assert after.memory.temp_bytes < before.memory.temp_bytes / 2
     assert verify_same(fn, fixed, args, rtol=1e-5, atol=1e-6)
 
 
-def test_a_branch_on_the_sequence_length_is_rewritten_as_the_step_runs_it():
+def test_a_branch_on_the_sequence_length_is_rewritten_as_the_step_runs_it(mesh):
     """At one shard's shapes the step's Python takes the other branch; its jaxpr, traced
     again there, keeps the branch the step runs, so the numbers stay the same."""
-    mesh = _mesh(4)
     fn, args = rewrite_steps.make_size_branch_step(mesh)
     fixed = shardlint.rewrite(fn, mesh, args=args)   # verifies the numbers
     assert fixed.changed is True
     assert re.fullmatch(r"the step traces into other equations at one shard's shapes at "
-                        r"tests/rewrites/rewrite_steps\.py:\d+: its jaxpr was traced there instead", fixed.notes[0])
+                        r"tests/support/rewrite_steps\.py:\d+: its jaxpr was traced there instead", fixed.notes[0])
     assert shardlint.analyze(fixed, *args).findings == ()
     assert verify_same(fn, fixed, args, rtol=1e-5, atol=1e-6)
 
@@ -262,7 +250,7 @@ REFUSED = {
     "a branch on the sequence length that mixes tokens": (
         rewrite_steps.make_size_branch_step, {"mixing": True},
         r"traces differently at one shard's shapes \(shape-dependent Python control flow "
-        r"at tests/rewrites/rewrite_steps\.py:\d+\?\); nor does its jaxpr \(an input of the "
+        r"at tests/support/rewrite_steps\.py:\d+\?\); nor does its jaxpr \(an input of the "
         r"step \(float32\[64,64\]\).*make the branch depend on the configuration"),
     "a contraction with the configured length": (
         rewrite_steps.make_token_mixing_step, {},
@@ -279,9 +267,8 @@ REFUSED = {
 
 
 @pytest.mark.parametrize("name", REFUSED)
-def test_refused_with_the_line_and_the_way_out(name):
+def test_refused_with_the_line_and_the_way_out(name, mesh):
     make, kwargs, refusal = REFUSED[name]
-    mesh = _mesh(4)
     fn, args = make(mesh, **kwargs)
     with pytest.raises(shardlint.RewriteError, match=refusal):
         shardlint.rewrite(fn, mesh, args=args)
@@ -311,17 +298,15 @@ def test_cli_takes_the_token_axes_and_report_shows_a_refusal(tmp_path, capsys):
     assert "not axes of the mesh" in capsys.readouterr().err
 
 
-def test_gshard_capacity_is_refused_by_default_with_the_opt_in():
-    mesh = _mesh(4)
+def test_gshard_capacity_is_refused_by_default_with_the_opt_in(mesh):
     fn, args = rewrite_steps.make_gshard_step(mesh)
     with pytest.raises(shardlint.RewriteError, match=r"rewrite_steps\.py:\d+ .*capacity.*capacity='per-shard'"):
         shardlint.rewrite(fn, mesh, args=args)
 
 
-def test_per_shard_capacity_changes_which_tokens_drop():
+def test_per_shard_capacity_changes_which_tokens_drop(mesh):
     # Where the capacity drops tokens, per-shard capacity drops others: the numbers differ
     # and verification says so. That is why it is opt-in.
-    mesh = _mesh(4)
     fn, args = rewrite_steps.make_gshard_step(mesh, capacity_factor=1.0)
     fixed = shardlint.rewrite(fn, mesh, args=args, capacity="per-shard")
     assert fixed.changed is True
@@ -330,7 +315,7 @@ def test_per_shard_capacity_changes_which_tokens_drop():
 
 
 
-def test_jax_refusing_the_emitted_step_is_a_rewrite_error(monkeypatch):
+def test_jax_refusing_the_emitted_step_is_a_rewrite_error(monkeypatch, mesh):
     # Whatever JAX raises while tracing the rewritten step reaches the user as a
     # RewriteError that says so, never as a raw traceback.
     from shardlint.rewrites import _rewritten
@@ -341,13 +326,12 @@ def test_jax_refusing_the_emitted_step_is_a_rewrite_error(monkeypatch):
         return run
 
     monkeypatch.setattr(_rewritten, "emit", broken_emit)
-    mesh = _mesh(4)
     fn, args = cause_steps.make_scanned_layers_step(mesh)
     with pytest.raises(shardlint.RewriteError, match=r"rewritten step does not trace.*ValueError: Incompatible"):
         shardlint.rewrite(fn, mesh, args=args)
 
 
-def test_a_layer_inside_custom_jvp_is_reached():
+def test_a_layer_inside_custom_jvp_is_reached(mesh):
     # A forward function whose MoE sits in a custom_jvp (a fused layer with its own
     # derivative rule): the body is entered and inlined in the rewritten step.
     from shardlint.examples.steps import routed_moe
@@ -360,7 +344,6 @@ def test_a_layer_inside_custom_jvp_is_reached():
     def _layer_jvp(primals, tangents):
         return layer(*primals), jax.numpy.zeros_like(primals[1])
 
-    mesh = _mesh(4)
     args = (cause_steps._moe_params(mesh), cause_steps._batch(mesh))
     assert any(e.primitive.name == "custom_jvp_call" for e in jax.make_jaxpr(layer)(*args).jaxpr.eqns)
     before = shardlint.analyze(layer, *args)

@@ -9,24 +9,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import AxisType
 
 import shardlint
 from shardlint.examples import steps
 from shardlint.rewrites import RewrittenStep, verify_same
 from shardlint.rewrites._verify import random_like
 
+from support import context_mesh
+
 SIZES = steps.Sizes(batch=8)  # two batch rows per device at every mesh below
 CONTEXTS = [2, 4, 8]
 
 
-def _mesh(context):
-    return jax.make_mesh((8 // context, context), ("data", "context"), axis_types=(AxisType.Auto,) * 2)
-
-
 @functools.cache
 def _case(make_name: str, context: int):
-    mesh = _mesh(context)
+    mesh = context_mesh(context)
     fn, args = getattr(steps, make_name)(mesh, SIZES)
     before = shardlint.analyze(fn, *args)
     fixed = shardlint.rewrite(fn, mesh, args=args, analysis=before)
@@ -77,16 +74,14 @@ def test_verify_fails_loudly_when_numbers_differ():
         verify_same(fn, wrong, args)
 
 
-def test_global_capacity_is_refused_with_the_reason():
-    mesh = _mesh(4)
+def test_global_capacity_is_refused_with_the_reason(mesh):
     fn, args = steps.make_capacity_step(mesh, SIZES)
     with pytest.raises(shardlint.RewriteError, match="grows with the number of tokens") as info:
         shardlint.rewrite(fn, mesh, args=args)
     assert "steps.py" in str(info.value) and "dropless" in str(info.value)
 
 
-def test_nothing_to_rewrite_is_said_and_runs_the_step_as_it_is():
-    mesh = _mesh(4)
+def test_nothing_to_rewrite_is_said_and_runs_the_step_as_it_is(mesh):
     fn, args = steps.make_per_shard_step(mesh, SIZES)
     messages = []
     with pytest.warns(shardlint.NothingToRewrite, match="nothing to rewrite") as caught:
@@ -97,8 +92,7 @@ def test_nothing_to_rewrite_is_said_and_runs_the_step_as_it_is():
     assert any("nothing to rewrite" in m for m in messages)
 
 
-def test_forward_function_differentiated_later_by_the_user():
-    mesh = _mesh(4)
+def test_forward_function_differentiated_later_by_the_user(mesh):
     _, (params, x) = steps.make_step(mesh, SIZES)
 
     def forward(params, x):
@@ -118,14 +112,13 @@ def test_forward_function_differentiated_later_by_the_user():
     assert "shard_map" in lowered or "manual" in lowered
 
 
-def test_jaxpr_route_on_the_decoder_with_constraints_and_inner_jits():
+def test_jaxpr_route_on_the_decoder_with_constraints_and_inner_jits(mesh):
     # Code with NamedSharding constraints, jitted helpers (silu, argsort) and a
     # cross-entropy over all tokens: only the routed regions are re-emitted, and the
     # numbers are unchanged. (The CLI would take the shardlint.moe swap route here.)
     from shardlint.examples import decoder
     from shardlint.rewrites import TokenAxes
 
-    mesh = _mesh(4)
     fn, args = decoder.make_step(mesh, decoder.DecoderConfig(layers=1))
     messages = []
     fixed = RewrittenStep(fn, mesh, axes=TokenAxes(("data",), ("context",)), progress=messages.append)

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import AxisType, NamedSharding
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import shardlint
@@ -17,11 +17,9 @@ from shardlint import moe
 from shardlint.rewrites import SwappedStep
 from shardlint.rewrites._verify import random_like
 
+from support import context_mesh
+
 B, S = 8, 32
-
-
-def _mesh(context):
-    return jax.make_mesh((8 // context, context), ("data", "context"), axis_types=(AxisType.Auto,) * 2)
 
 
 def _block_step(mesh, cfg):
@@ -44,7 +42,7 @@ DENSE_DROPPING = moe.MoeConfig(num_experts=4, top_k=2, emb_dim=16, mlp_dim=32, s
 
 @functools.cache
 def _case(cfg, context):
-    mesh = _mesh(context)
+    mesh = context_mesh(context)
     step, args = _block_step(mesh, cfg)
     before = shardlint.analyze(step, *args)
     fixed = shardlint.rewrite(step, mesh, args=args, analysis=before, verify=True)
@@ -66,8 +64,7 @@ def test_qwen3_next_block_is_swapped_and_keeps_tokens_sharded(cfg, context):
     assert after.memory.temp_bytes < before.memory.temp_bytes
 
 
-def test_dense_capacity_that_drops_is_refused():
-    mesh = _mesh(4)
+def test_dense_capacity_that_drops_is_refused(mesh):
     step, args = _block_step(mesh, DENSE_DROPPING)
     with pytest.raises(shardlint.RewriteError, match="capacity_factor >= num_experts/top_k = 2"):
         shardlint.rewrite(step, mesh, args=args)

@@ -12,7 +12,7 @@ import contextlib
 import jax
 import numpy as np
 import pytest
-from jax.sharding import AxisType, NamedSharding
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import shardlint
@@ -20,7 +20,7 @@ from shardlint.examples import decoder
 from shardlint.rewrites import JittedStep, SwappedStep
 from shardlint.rewrites._verify import random_like
 
-from analyzer import cause_steps
+from support import cause_steps
 
 STEPS = 5
 _COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"   # jax._src.dispatch
@@ -35,10 +35,6 @@ def counted(into: list[int]):
     before = len(_compiles)
     yield
     into.append(len(_compiles) - before)
-
-
-def _mesh():
-    return jax.make_mesh((2, 4), ("data", "context"), axis_types=(AxisType.Auto,) * 2)
 
 
 _sgd = jax.jit(lambda params, grads: jax.tree.map(lambda p, g: p - 0.1 * g, params, grads))
@@ -71,9 +67,8 @@ ROUTES = {
 
 
 @pytest.mark.parametrize("route", ROUTES)
-def test_a_training_loop_compiles_once_and_trains_as_the_original(route):
+def test_a_training_loop_compiles_once_and_trains_as_the_original(route, mesh):
     make, returns_grads = ROUTES[route]
-    mesh = _mesh()
     step, args = make(mesh)
     fixed = shardlint.rewrite(step, mesh, args=args)
     assert fixed.changed is True
@@ -87,12 +82,11 @@ def test_a_training_loop_compiles_once_and_trains_as_the_original(route):
     _assert_close(got, want)
 
 
-def test_an_nnx_jit_loop_compiles_once_and_trains_as_the_original():
+def test_an_nnx_jit_loop_compiles_once_and_trains_as_the_original(mesh):
     pytest.importorskip("flax")
     pytest.importorskip("optax")
     from flax import nnx
 
-    mesh = _mesh()
     step, (model, optimizer, x) = cause_steps.make_nnx_step(mesh, concrete=True)
     fixed = shardlint.rewrite(step, mesh, args=(model, optimizer, x))
     assert fixed.changed is True
@@ -108,11 +102,10 @@ def test_an_nnx_jit_loop_compiles_once_and_trains_as_the_original():
     _assert_close(states[1], states[0])
 
 
-def test_other_shardings_of_the_same_shapes_get_their_own_build():
+def test_other_shardings_of_the_same_shapes_get_their_own_build(mesh):
     """Sequence sharded over context: the flatten loses it, and the step is rewritten. The
     same shapes with the batch over both axes and the sequence whole: nothing is lost, and
     the step must run as it is rather than inside the first plan's shard_map."""
-    mesh = _mesh()
     step, args = cause_steps.make_scanned_layers_step(mesh)
     fixed = shardlint.rewrite(step, mesh, args=args)
     params, x = args
@@ -126,8 +119,7 @@ def test_other_shardings_of_the_same_shapes_get_their_own_build():
     _assert_close(fixed(*real), jax.jit(step)(*real))
 
 
-def test_the_rewritten_step_behaves_as_a_jitted_function():
-    mesh = _mesh()
+def test_the_rewritten_step_behaves_as_a_jitted_function(mesh):
     step, args = cause_steps.make_scanned_layers_step(mesh)
     fixed = shardlint.rewrite(step, mesh, args=args)
     assert isinstance(fixed, JittedStep) and isinstance(fixed, shardlint.rewrites.Wrapped)
@@ -138,11 +130,10 @@ def test_the_rewritten_step_behaves_as_a_jitted_function():
     assert fixed.trace(*args).lower().as_text() == fixed.lower(*args).as_text()
 
 
-def test_a_swapped_pre_jitted_step_keeps_its_shardings_and_donation():
+def test_a_swapped_pre_jitted_step_keeps_its_shardings_and_donation(mesh):
     """The swap route (models on shardlint.moe) traces the Python a jax.jit wraps again: the
     step's own jit equation goes round the new body, so its in/out shardings and donated
     parameters are the original's."""
-    mesh = _mesh()
     step, args = decoder.make_step(mesh)
     shardings = jax.tree.map(lambda a: a.sharding, args)
     jitted = jax.jit(step, in_shardings=shardings, donate_argnums=0)

@@ -21,7 +21,7 @@ from jax.sharding import PartitionSpec as P
 
 from shardlint.examples.steps import _loss_step, routed_moe
 
-from ._markers import marker_line as line_of_marker
+from .markers import marker_line as line_of_marker
 
 BATCH, SEQ, EMB, MLP, EXPERTS, TOP_K, LAYERS, HEADS = 8, 64, 16, 32, 4, 2, 4, 4
 

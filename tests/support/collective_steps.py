@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ._markers import marker_line as line_of_marker
+from .markers import marker_line as line_of_marker
 
 
 def make_collectives_step(mesh, a2a_axis: str, scatter_axis: str, permute_axis: str, sum_axis: str):

@@ -4,7 +4,7 @@ Each `make_<name>(mesh)` returns `(step_fn, args)` with `jax.ShapeDtypeStruct` a
 carrying NamedShardings on `mesh` (Auto axes `data` and `context`); every step's MoE
 flattens `(batch, seq)` before its grouped matmul, so XLA gathers the sequence. The
 scanned, pre-jitted, nnx and scatter-dispatch steps are the analyzer's
-(`tests/analyzer/cause_steps.py`); these are the ones only the rewrite needs.
+(`cause_steps.py`); these are the ones only the rewrite needs.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from jax.sharding import PartitionSpec as P
 
 from shardlint.examples.steps import _experts, _loss_step, _route, routed_moe
 
-from analyzer.cause_steps import (BATCH, EMB, EXPERTS, HEADS, LAYERS, MLP, SEQ, TOP_K, _batch, _moe_params, _scatter_moe,
-                                  _sds)
+from .cause_steps import (BATCH, EMB, EXPERTS, HEADS, LAYERS, MLP, SEQ, TOP_K, _batch, _moe_params, _scatter_moe,
+                           _sds)
 
 
 def make_remat_loop_step(mesh):

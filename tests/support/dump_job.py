@@ -1,9 +1,9 @@
 """A training job that writes an XLA dump, run in its own process as a user's job runs.
 
-    XLA_FLAGS="--xla_dump_to=DIR ..." python tests/analyzer/dump_job.py STEP AXES [TOPOLOGY]
+    XLA_FLAGS="--xla_dump_to=DIR ..." python tests/support/dump_job.py STEP AXES [TOPOLOGY]
 
 STEP is `steps.make_<name>` (shardlint/examples/steps.py), `cause_steps.make_<name>`
-(tests/analyzer/cause_steps.py) or `signature_steps.<layer>.<signature>`, AXES a mesh such
+(tests/support/cause_steps.py) or `signature_steps.<layer>.<signature>`, AXES a mesh such
 as data=2,context=4. On CPU the job puts random arrays on the mesh and runs the step
 (jitted as the user wrote it, or by `jax.jit`), so the dump holds what a real job compiles,
 its small helper modules (device_put, random) included. With a TPU topology (libtpu AOT)
@@ -17,24 +17,20 @@ from pathlib import Path
 
 import jax
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout, for `tests.`
-
 
 def build(step_name: str, axes: dict[str, int], topology: str | None):
-    from jax.sharding import AxisType
-
     from shardlint.examples import steps
-    from tests.analyzer import cause_steps  # the checkout's tests, as a package
+    from support import build_mesh, cause_steps
 
     if topology:
         from shardlint.analyzer._topology import topology_mesh
 
         mesh = topology_mesh(axes, topology)
     else:
-        mesh = jax.make_mesh(tuple(axes.values()), tuple(axes), axis_types=(AxisType.Auto,) * len(axes))
+        mesh = build_mesh(axes)
     module, function, *signature = step_name.split(".")
     if module == "signature_steps":   # signature_steps.LAYER.SIGNATURE
-        from tests.analyzer import signature_steps
+        from support import signature_steps
 
         return signature_steps.make(function, signature[0], mesh)
     return getattr({"steps": steps, "cause_steps": cause_steps}[module], function)(mesh)
@@ -59,6 +55,8 @@ def _random(key, a):
 
 
 if __name__ == "__main__":
+    checkout = Path(__file__).resolve().parents[2]
+    sys.path[:0] = [str(checkout), str(checkout / "tests")]  # its shardlint, and `support`
     name, spec, *rest = sys.argv[1:]
     mesh_axes = {k: int(v) for k, v in (part.split("=") for part in spec.split(","))}
     run(name, mesh_axes, rest[0] if rest else None)
