@@ -39,7 +39,7 @@ from ._dataflow import Provenance
 from ._detect import describe, neighbourhood
 from ._graph import dims_of, node_of, sharding_of, source_of, stack_key
 from ._hlo import HloModule
-from ._ops import NEEDS_WHOLE, TOKEN_PRIMITIVES
+from ._ops import NEEDS_WHOLE, TOKEN_PRIMITIVES, WRITTEN_COLLECTIVES
 from ._patterns import feeds_grouped_matmul
 from ._model import Collective, Finding, Requested, Source
 from ._stablehlo import Asked
@@ -47,9 +47,6 @@ from ._stack import user_sources, user_stack
 from ._xla_log import Remat
 
 _REDUCTIONS = {CollectiveKind.ALL_REDUCE, CollectiveKind.REDUCE_SCATTER}
-# JAX collectives a user writes inside shard_map, as XLA labels them.
-_WRITTEN = {"all_gather", "all_gather_invariant", "all_to_all", "ragged_all_to_all", "ppermute",
-            "psum", "pmax", "pmin", "psum_scatter", "reduce_scatter", "pbroadcast", "pgather"}
 _UNSPLITTABLE_WAY_OUT = (
     "{op} cannot be split along the sharded dimension, so XLA's partitioner gathers its "
     "inputs over {axes}: compute it per shard inside jax.shard_map over the axes that shard "
@@ -114,7 +111,7 @@ def _cause(c: Collective, weight: bool, own: tuple, dropped_by, asks) -> tuple[s
     if weight:
         return Cause.WEIGHTS, None
     asked_kind = Cause.REQUESTED if c.kind == CollectiveKind.ALL_GATHER else Cause.LAYOUT
-    if primitive_of(c.xla_op_path) in _WRITTEN:
+    if primitive_of(c.xla_op_path) in WRITTEN_COLLECTIVES:
         return asked_kind, None
     consumer = stack_key(c.stack)
     for ask in asks:

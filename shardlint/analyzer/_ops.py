@@ -27,6 +27,7 @@ class Role(enum.Enum):
     WEIGHT_PATH = "an HLO op a parameter passes through and is still the weight (to a dot)"
     ROUTING = "a routing op the partitioner may not split along batch or sequence (the rewrite runs it per shard)"
     ROUTING_FINDING = "a finding's op where a routed layer loses the sharding without a flatten"
+    WRITTEN = "a collective the code writes by name (inside shard_map): it was asked for"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -41,8 +42,8 @@ def _op(jax=(), hlo=(), roles=(), hlo_roles=()) -> Op:
     return Op(jax=tuple(jax), hlo=tuple(hlo), roles=frozenset(roles), hlo_roles=frozenset(hlo_roles))
 
 
-W, T, L, S, P, R, F = (Role.WHOLE, Role.TOKENS, Role.LAYOUT, Role.SAME_DIMS, Role.WEIGHT_PATH,
-                       Role.ROUTING, Role.ROUTING_FINDING)
+W, T, L, S, P, R, F, C = (Role.WHOLE, Role.TOKENS, Role.LAYOUT, Role.SAME_DIMS, Role.WEIGHT_PATH,
+                          Role.ROUTING, Role.ROUTING_FINDING, Role.WRITTEN)
 
 OPS: tuple[Op, ...] = (
     # ops that need a whole dimension
@@ -77,8 +78,16 @@ OPS: tuple[Op, ...] = (
     _op(["squeeze", "expand_dims"], ["reshape"], [L]),
     _op(["broadcast_in_dim"], ["broadcast"], [], [P]),
     _op(["slice"], ["slice"], [], [P]),
-    _op(["all_gather"], ["all-gather"], [], [P]),
+    _op(["all_gather"], ["all-gather"], [C], [P]),
     _op([], ["bitcast", "get-tuple-element", "parameter"], [], [P]),
+    # the other collectives JAX code writes, as XLA labels them (op_name's last part)
+    _op(["all_gather_invariant", "pgather"], ["all-gather"], [C]),
+    _op(["all_to_all"], ["all-to-all"], [C]),
+    _op(["ragged_all_to_all"], ["ragged-all-to-all"], [C]),
+    _op(["ppermute"], ["collective-permute"], [C]),
+    _op(["psum", "pmax", "pmin"], ["all-reduce"], [C]),
+    _op(["psum_scatter", "reduce_scatter"], ["reduce-scatter"], [C]),
+    _op(["pbroadcast"], ["collective-broadcast"], [C]),
 )
 
 
@@ -104,3 +113,4 @@ WEIGHT_PATH_OPCODES = opcodes(Role.WEIGHT_PATH)
 # "reduce-window"; JAX 0.12 often names the matmul that feeds top_k instead of top_k).
 ROUTING_PRIMITIVES = primitives(Role.ROUTING)
 ROUTING_FINDING_OPS = primitives(Role.ROUTING_FINDING) | opcodes(Role.ROUTING_FINDING)
+WRITTEN_COLLECTIVES = primitives(Role.WRITTEN)

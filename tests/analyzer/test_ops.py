@@ -24,6 +24,9 @@ def test_each_role_keeps_its_members():
                                        "argmax", "argmin"} | cumulative
     assert _ops.ROUTING_FINDING_OPS == {"top_k", "scatter", "scatter-add", "gather", "sort", "cumsum",
                                         "reduce-window", "dot_general"}
+    assert _ops.WRITTEN_COLLECTIVES == {"all_gather", "all_gather_invariant", "all_to_all",
+                                        "ragged_all_to_all", "ppermute", "psum", "pmax", "pmin",
+                                        "psum_scatter", "reduce_scatter", "pbroadcast", "pgather"}
 
 
 def test_a_role_is_read_in_the_spelling_it_is_listed_under():
