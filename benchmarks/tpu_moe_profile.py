@@ -98,14 +98,15 @@ def main(argv=None) -> int:
         for _ in range(args.steps):
             jax.block_until_ready(compiled(*step_args))
         time.sleep(0.1)
-    events = device_op_events(read_trace(folder))
+    trace = read_trace(folder)
+    events = device_op_events(trace)
     print(f"{bench.dev.device_kind}, JAX {jax.__version__}; {args.row} ({args.path}), "
           f"T={args.batch * args.seq}, E={args.experts}, top-{args.top_k}, D={args.emb}, "
           f"F={args.mlp}; step {tpu_moe.cell(wall, flops, bench.peak)} (median of "
           f"{args.repeats}); trace of {args.steps} steps in {folder}")
     if not events:
         lines = sorted({f"{e['name']}: {e.get('args', {}).get('name', '')}"
-                        for e in read_trace(folder).get("traceEvents", ()) if e.get("ph") == "M"
+                        for e in trace.get("traceEvents", ()) if e.get("ph") == "M"
                         and e.get("name") in ("process_name", "thread_name")})
         print("no device op events in the trace (not a TPU, or the profiler wrote none); "
               f"its lines: {lines[:40]}")

@@ -10,7 +10,7 @@ in only what it names, and no import cycle can run through this module.
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 # name -> the private module that defines it
 _LENT = {
@@ -47,26 +47,6 @@ _LENT = {
 }
 
 __all__ = sorted(_LENT)
-
-if TYPE_CHECKING:  # what static checkers read; at run time each name loads on first use
-    from .analyzer._collectives import primitive_of
-    from .analyzer._compile import mesh_of, parameter_argnums
-    from .analyzer._detect import reshape_groups
-    from .analyzer._fit import fit_of
-    from .analyzer._frames import frames_text, helper_frames, shown_frames
-    from .analyzer._op_paths import normalize_op_path
-    from .analyzer._ops import ROUTING_FINDING_OPS, ROUTING_PRIMITIVES
-    from .analyzer._patterns import (is_expert_batched_eqn, is_grouped_matmul_eqn,
-                                     reads_expert_weights)
-    from .analyzer._peak import peak_lines, unsourced
-    from .analyzer._scaling import MemoryScaling, memory_scaling
-    from .analyzer._stack import display_path, is_jax_shim, is_library_file
-    from .analyzer._topology import topology_devices, topology_mesh
-    from .gate._compare import mesh_text
-    from .gate._gate import record
-    from .gate._wording import headline
-    from .moe._reference import served_by
-
 
 def __getattr__(name: str) -> Any:
     if name not in _LENT:
