@@ -110,23 +110,23 @@ def _tiled_swiglu(x_ND, group_M, num_groups, wi_0_GDF, wi_1_GDF, wo_GFD, source_
     (`_permute`), the grouped SwiGLU (`_gmm`), rows back by a gather."""
     if source_M is not None:   # any map of rows: gathered first (its transpose scatters)
         x_ND, repeat = x_ND[source_M], 1
-    layout, y_PD = _tiled_rows(x_ND, group_M, num_groups, repeat, (wi_0_GDF, wi_1_GDF, wo_GFD),
-                               plan)
+    layout, x_PD = _tiled_layout(x_ND, group_M, num_groups, repeat, plan)
+    with jax.named_scope("moe/experts"):
+        y_PD = _gmm.tiled_swiglu(x_PD, wi_0_GDF, wi_1_GDF, wo_GFD, layout.tile_group_I,
+                                 layout.num_tiles, plan)
     with jax.named_scope("moe/unsort"):
         return _permute.permute_rows(y_PD, layout.pos_M, layout.src_P[:, None])
 
 
-def _tiled_rows(x_ND, group_M, num_groups, repeat, weights, plan: _gmm_plan.Plan):
-    """The layout of rows `group_M` and the SwiGLU of every slot (row m reading x_ND's row
+def _tiled_layout(x_ND, group_M, num_groups, repeat, plan: _gmm_plan.Plan):
+    """The layout of rows `group_M` and its slots' rows of x (row m reading x_ND's row
     m // repeat)."""
     M = group_M.shape[0]
     with jax.named_scope("moe/sort"):
         layout = _permute.padded_layout(group_M, num_groups, plan.tm)
         x_PD = _permute.permute_rows(x_ND, layout.src_P // repeat,
                                      layout.pos_M.reshape(M // repeat, repeat))
-    with jax.named_scope("moe/experts"):
-        y_PD = _gmm.tiled_swiglu(x_PD, *weights, layout.tile_group_I, layout.num_tiles, plan)
-    return layout, y_PD
+    return layout, x_PD
 
 
 def _grouped(x_MK: jax.Array, w: Any, aux: tuple) -> Any:
@@ -154,11 +154,11 @@ def sparse_experts(x_TD: jax.Array, weights_TK: jax.Array, experts_TK: jax.Array
     plan = _gmm_plan.plan(T * K, weights[0].shape[-2:], num_experts, x_TD.dtype,
                           weights_whole=slices.size == 1, varying=bool(_compat.varying_axes(x_TD)))
     if plan is not None:
-        layout, y_PD = _tiled_rows(x_TD, experts_TK.reshape(T * K), num_experts, K, weights,
-                                   plan)
-        with jax.named_scope("moe/combine"):
-            return _permute.gather_combine(y_PD, layout.pos_M.reshape(T, K), layout.src_P,
-                                           weights_TK)
+        layout, x_PD = _tiled_layout(x_TD, experts_TK.reshape(T * K), num_experts, K, plan)
+        # the experts and the combine: one VJP (its doc says why), scoped inside
+        return _gmm.tiled_swiglu_combine(x_PD, *weights, layout.tile_group_I,
+                                         layout.num_tiles, layout.pos_M.reshape(T, K),
+                                         layout.src_P, weights_TK, plan)
     y_MD = grouped_swiglu(x_TD, experts_TK.reshape(T * K), num_experts, *weights,
                           repeat=K, slices=slices)
     return combine_rows(y_MD, weights_TK)

@@ -38,7 +38,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from . import _compat
+from . import _compat, _permute
 from ._gmm_plan import Plan, Tiles
 
 
@@ -163,16 +163,22 @@ def _up(x_PD, wi_0_GDF, wi_1_GDF, tile_group_I, num_tiles, p: Plan):
                  [x_PD, wi_0_GDF, wi_1_GDF])
 
 
-def _down_grad(dy_PD, wo_GFD, h0_PF, h1_PF, tile_group_I, num_tiles, p: Plan):
-    """dh = dy @ wo[g]^T (rounded to dy's dtype), then through h = silu(h0) * h1:
-    dh0 = dh * h1 * silu'(h0), dh1 = dh * silu(h0)."""
-    P, D = dy_PD.shape
-    F = wo_GFD.shape[1]
+def _down_grad(dy_PD, wo_GFD, h0_PF, h1_PF, tile_group_I, num_tiles, p: Plan,
+               scale_P1=None):
+    """dh = dy @ wo[g]^T (times each row's `scale_P1` when given; rounded to dy's dtype),
+    then through h = silu(h0) * h1: dh0 = dh * h1 * silu'(h0), dh1 = dh * silu(h0). Reads
+    dy's first D columns (wo's D): dy may carry more."""
+    P = dy_PD.shape[0]
+    F, D = wo_GFD.shape[1:]
     t = p.tiles(D, F, dy_PD.dtype.itemsize, outs=4, split_k=False)
+    scaled = scale_P1 is not None
 
-    def kernel(tg_ref, dy_ref, w_ref, h0_ref, h1_ref, dh0_ref, dh1_ref):
+    def kernel(tg_ref, dy_ref, w_ref, h0_ref, h1_ref, *refs):
+        *scale_ref, dh0_ref, dh1_ref = refs
         dh = jax.lax.dot_general(dy_ref[...], w_ref[...], _NT,
                                  preferred_element_type=jnp.float32)
+        if scaled:
+            dh = dh * scale_ref[0][...]
         dh = dh.astype(dh0_ref.dtype).astype(jnp.float32)
         silu, dsilu = _silu_parts(h0_ref[...].astype(jnp.float32))
         silu = silu.astype(dh1_ref.dtype).astype(jnp.float32)
@@ -182,8 +188,14 @@ def _down_grad(dy_PD, wo_GFD, h0_PF, h1_PF, tile_group_I, num_tiles, p: Plan):
 
     out = _compat.out_struct((P, F), dy_PD.dtype, dy_PD)
     return _call(kernel, "shardlint_gmm_down_grad", t, D, F, p, tile_group_I, num_tiles,
-                 _row_specs(t, 1, True) + _weight_specs(t, 1, True)
-                 + _row_specs(t, 2, False), [out] * 2, 1, [dy_PD, wo_GFD, h0_PF, h1_PF])
+                 _row_specs(t, 1, True) + _weight_specs(t, 1, True) + _row_specs(t, 2, False)
+                 + _scale_specs(t, scaled), [out] * 2, 1,
+                 [dy_PD, wo_GFD, h0_PF, h1_PF] + ([scale_P1] if scaled else []))
+
+
+def _scale_specs(t: Tiles, scaled: bool) -> list:
+    """The block of a [P, 1] float32 row scale at row tile i (none when unscaled)."""
+    return [pl.BlockSpec((t.m, 1), lambda n, i, k, tg: (i, 0))] if scaled else []
 
 
 def _up_grad(dh0_PF, dh1_PF, wi_0_GDF, wi_1_GDF, tile_group_I, num_tiles, p: Plan):
@@ -206,18 +218,26 @@ def _up_grad(dh0_PF, dh1_PF, wi_0_GDF, wi_1_GDF, tile_group_I, num_tiles, p: Pla
 
 
 def _tgmm(x_PK: jax.Array, dy_PN: jax.Array, tile_group_I: jax.Array,
-          num_tiles: jax.Array, num_groups: int, p: Plan, out_dtype) -> jax.Array:
-    """dw_GKN[g] = sum over the tiles of group g of x_tile^T @ dy_tile."""
+          num_tiles: jax.Array, num_groups: int, p: Plan, out_dtype,
+          scale_P1: jax.Array | None = None, n: int | None = None) -> jax.Array:
+    """dw_GKN[g] = sum over the tiles of group g of x_tile^T @ dy_tile (x's rows times
+    `scale_P1`, rounded to x's dtype, when given), over dy's first `n` columns (all when
+    None)."""
     P, K = x_PK.shape
-    N = dy_PN.shape[1]
+    N = dy_PN.shape[1] if n is None else n
     t = p.tgmm_tiles(K, N, x_PK.dtype.itemsize)
+    scaled = scale_P1 is not None
 
-    def kernel(tg_ref, x_ref, dy_ref, o_ref, acc_ref):
+    def kernel(tg_ref, x_ref, dy_ref, *refs):
+        *scale_ref, o_ref, acc_ref = refs
         i, last = pl.program_id(2), pl.num_programs(2) - 1
         g = tg_ref[i]
         first = jnp.logical_or(i == 0, tg_ref[jnp.maximum(i - 1, 0)] != g)
         final = jnp.logical_or(i == last, tg_ref[jnp.minimum(i + 1, last)] != g)
-        prod = jax.lax.dot_general(x_ref[...], dy_ref[...], (((0,), (0,)), ((), ())),
+        x = x_ref[...]
+        if scaled:
+            x = (x.astype(jnp.float32) * scale_ref[0][...]).astype(x.dtype)
+        prod = jax.lax.dot_general(x, dy_ref[...], (((0,), (0,)), ((), ())),
                                    preferred_element_type=jnp.float32)
 
         @pl.when(first)
@@ -239,7 +259,8 @@ def _tgmm(x_PK: jax.Array, dy_PN: jax.Array, tile_group_I: jax.Array,
             num_scalar_prefetch=1,
             grid=(K // t.k, N // t.n, num_tiles),
             in_specs=[pl.BlockSpec((t.m, t.k), lambda kb, nb, i, tg: (i, kb)),
-                      pl.BlockSpec((t.m, t.n), lambda kb, nb, i, tg: (i, nb))],
+                      pl.BlockSpec((t.m, t.n), lambda kb, nb, i, tg: (i, nb))]
+                     + ([pl.BlockSpec((t.m, 1), lambda kb, nb, i, tg: (i, 0))] if scaled else []),
             out_specs=pl.BlockSpec((None, t.k, t.n), lambda kb, nb, i, tg: (tg[i], kb, nb)),
             scratch_shapes=[pltpu.VMEM((t.k, t.n), jnp.float32)]),
         compiler_params=_params(p, ("parallel", "parallel", "arbitrary")),
@@ -247,7 +268,7 @@ def _tgmm(x_PK: jax.Array, dy_PN: jax.Array, tile_group_I: jax.Array,
         cost_estimate=_cost(K, P, N, x_PK.dtype.itemsize),
         name="shardlint_tgmm",
     )
-    return call(tile_group_I, x_PK, dy_PN)
+    return call(tile_group_I, x_PK, dy_PN, *([scale_P1] if scaled else []))
 
 
 # ---------------------------------------------------------------- the SwiGLU
@@ -280,12 +301,19 @@ def _swiglu_fwd(x_PD, wi_0_GDF, wi_1_GDF, wo_GFD, tile_group_I, num_tiles, p):
 
 
 def _swiglu_bwd(p, residuals, dy_PD):
+    return _swiglu_grads(p, residuals, dy_PD)
+
+
+def _swiglu_grads(p, residuals, dy_PX, scale_P1=None):
+    """The SwiGLU's gradients for output cotangent dy (the first D columns of dy_PX; the
+    kernels read them in place), or for dy's rows times `scale_P1` ([P, 1] float32),
+    applied inside the kernels that read dy."""
     x_PD, wi_0_GDF, wi_1_GDF, wo_GFD, h0_PF, h1_PF, h_PF, tile_group_I, num_tiles = residuals
     meta = (tile_group_I, num_tiles)
-    G = wo_GFD.shape[0]
-    dy_PD = dy_PD.astype(x_PD.dtype)
-    dwo = _tgmm(h_PF, dy_PD, *meta, G, p, wo_GFD.dtype)
-    dh0_PF, dh1_PF = _down_grad(dy_PD, wo_GFD, h0_PF, h1_PF, *meta, p)
+    G, _, D = wo_GFD.shape
+    dy_PX = dy_PX.astype(x_PD.dtype)
+    dwo = _tgmm(h_PF, dy_PX, *meta, G, p, wo_GFD.dtype, scale_P1, n=D)
+    dh0_PF, dh1_PF = _down_grad(dy_PX, wo_GFD, h0_PF, h1_PF, *meta, p, scale_P1)
     dx_PD = _up_grad(dh0_PF, dh1_PF, wi_0_GDF, wi_1_GDF, *meta, p)
     dwi_0 = _tgmm(x_PD, dh0_PF, *meta, G, p, wi_0_GDF.dtype)
     dwi_1 = _tgmm(x_PD, dh1_PF, *meta, G, p, wi_1_GDF.dtype)
@@ -294,3 +322,57 @@ def _swiglu_bwd(p, residuals, dy_PD):
 
 
 _swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
+
+
+# ---------------------------------------------------------------- SwiGLU, then combine
+
+
+def tiled_swiglu_combine(x_PD: jax.Array, wi_0_GDF: jax.Array, wi_1_GDF: jax.Array,
+                         wo_GFD: jax.Array, tile_group_I: jax.Array, num_tiles: jax.Array,
+                         pos_TK: jax.Array, src_P: jax.Array, weights_TK: jax.Array,
+                         p: Plan) -> jax.Array:
+    """`tiled_swiglu`, then each token's K rows combined by weight: y_TD[t] = sum over k
+    of weights_TK[t, k] * y_PD[pos_TK[t, k]] (`_permute.combine`; `src_P[p]`: the flat
+    t * K + k of slot p, T * K for padding).
+
+    One VJP for both, so that the backward pass needs no [P, D] pass of its own: the
+    rows of g reach the slots by one gather with their weights (`_permute.rows_and_weights`),
+    and the kernels that read them (`_down_grad`, `_tgmm`) scale each row by its weight as
+    they load it; scaling them in a pass over all P slots took 1.03 ms of RoutedMoE's
+    training step on a v5e (`benchmarks/tpu_moe_profile.py`). The weights' gradient comes
+    from the rows the forward pass gathered (`_permute.combine_weights_grad`). Its parts
+    carry the layer's scopes, moe/experts and moe/combine."""
+    return _swiglu_combine(*_compat.vary_alike(x_PD, wi_0_GDF, wi_1_GDF, wo_GFD,
+                                               tile_group_I, num_tiles, pos_TK, src_P,
+                                               weights_TK), p)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(9,))
+def _swiglu_combine(x_PD, wi_0_GDF, wi_1_GDF, wo_GFD, tile_group_I, num_tiles, pos_TK,
+                    src_P, weights_TK, p):
+    return _swiglu_combine_fwd(x_PD, wi_0_GDF, wi_1_GDF, wo_GFD, tile_group_I, num_tiles,
+                               pos_TK, src_P, weights_TK, p)[0]
+
+
+def _swiglu_combine_fwd(x_PD, wi_0_GDF, wi_1_GDF, wo_GFD, tile_group_I, num_tiles, pos_TK,
+                        src_P, weights_TK, p):
+    with jax.named_scope("moe/experts"):
+        y_PD, swiglu_res = _swiglu_fwd(x_PD, wi_0_GDF, wi_1_GDF, wo_GFD, tile_group_I,
+                                       num_tiles, p)
+    with jax.named_scope("moe/combine"):
+        y_TD, y_TKD = _permute.combine(y_PD, pos_TK, weights_TK)
+    return y_TD, (swiglu_res, y_TKD, pos_TK, src_P, weights_TK)
+
+
+def _swiglu_combine_bwd(p, residuals, g_TD):
+    swiglu_res, y_TKD, pos_TK, src_P, weights_TK = residuals
+    with jax.named_scope("moe/combine"):
+        g_PX, w_P = _permute.rows_and_weights(g_TD, weights_TK, src_P)
+        dw_TK = _permute.combine_weights_grad(y_TKD, g_TD, pos_TK, src_P.shape[0])
+    with jax.named_scope("moe/experts"):
+        grads = _swiglu_grads(p, swiglu_res, g_PX, w_P[:, None])
+    return (*grads, np.zeros(pos_TK.shape, jax.dtypes.float0),
+            np.zeros(src_P.shape, jax.dtypes.float0), dw_TK.astype(weights_TK.dtype))
+
+
+_swiglu_combine.defvjp(_swiglu_combine_fwd, _swiglu_combine_bwd)

@@ -13,6 +13,10 @@ transpose of a gather is a scatter-add, slow on a TPU and serial over repeated i
 here the backward pass is the gather by the inverse indices (a row that feeds K slots
 sums the K gathered rows). Indices out of range read zeros. Rows are gathered in their
 own dtype; the float32 sums and the masks of out-of-range indices come after.
+
+`combine` is the unsort and the weighted sum of each token's K rows in one gather;
+`combine_weights_grad` and `rows_and_weights` are the pieces of its backward pass, which
+`_gmm.tiled_swiglu_combine` owns (it scales the rows of g inside the kernels).
 """
 
 from __future__ import annotations
@@ -104,11 +108,7 @@ def _take_or_zero(x_ND: jax.Array, idx: jax.Array) -> jax.Array:
     x_ND with one more row costs a tenth of that."""
     N = x_ND.shape[0]
     x_ext = jnp.concatenate([x_ND, jnp.zeros((1, *x_ND.shape[1:]), x_ND.dtype)])
-    return _rows(x_ext, jnp.where((idx >= 0) & (idx < N), idx, N))
-
-
-def _take(x: jax.Array, idx: jax.Array) -> jax.Array:
-    return jnp.take(x, idx, axis=0, mode="fill", fill_value=0)
+    return _rows(x_ext, jnp.where(_in_range(idx, N), idx, N))
 
 
 def _permute_rows_fwd(x_ND, idx_P, inverse_NR):
@@ -118,7 +118,7 @@ def _permute_rows_fwd(x_ND, idx_P, inverse_NR):
 def _permute_rows_bwd(residuals, g_PD):
     idx_P, inverse_NR = residuals
     N, R = inverse_NR.shape
-    valid_NR = (inverse_NR >= 0) & (inverse_NR < g_PD.shape[0])
+    valid_NR = _in_range(inverse_NR, g_PD.shape[0])
     g_NRD = _rows(g_PD, inverse_NR.reshape(N * R)).reshape(N, R, -1)
     if R > 1:
         dx_ND = jnp.sum(jnp.where(valid_NR[..., None], g_NRD.astype(jnp.float32), 0), axis=1)
@@ -131,43 +131,55 @@ def _permute_rows_bwd(residuals, g_PD):
 permute_rows.defvjp(_permute_rows_fwd, _permute_rows_bwd)
 
 
-@jax.custom_vjp
-def gather_combine(y_PD: jax.Array, pos_TK: jax.Array, src_P: jax.Array,
-                   weights_TK: jax.Array) -> jax.Array:
+def combine(y_PD: jax.Array, pos_TK: jax.Array,
+            weights_TK: jax.Array) -> tuple[jax.Array, jax.Array]:
     """y_TD[t] = sum over k of weights_TK[t, k] * y_PD[pos_TK[t, k]], summed in float32,
     in y's dtype (a choice whose pos is out of range adds nothing): the unsort and the
-    combine in one gather. `src_P[p]` is the flat (t * K + k) index of the row in slot p
-    (T * K for padding): the gradients are then gathers too, dy[p] = weights[src] *
-    g[src // K] and dweights[t, k] = s[pos[t, k]] with s[p] = y[p] . g[src[p] // K]: the
-    rows of g gathered once serve both, and y is not gathered again (XLA:TPU gathers rows
-    out of y's P slots 4x slower than out of g's T tokens: 2.25 ms against 0.52 ms for
-    RoutedMoE's step on a v5e, `benchmarks/tpu_moe_profile.py`)."""
-    return _combine(y_PD, pos_TK, weights_TK)
-
-
-def _combine(y_PD, pos_TK, weights_TK):
+    combine in one gather. Also returns the gathered rows, y_TKD (unmasked: a row whose pos
+    is out of range holds what the clamped index read), from which the weights' gradient
+    comes (`combine_weights_grad`) with no second gather out of y's P slots (XLA:TPU
+    gathers rows out of them 4x slower than out of T tokens: 2.25 ms against 0.52 ms in
+    RoutedMoE's step on a v5e, `benchmarks/tpu_moe_profile.py`); they have fewer rows
+    than y_PD, which need not be kept."""
     T, K = pos_TK.shape
-    valid_TK = (pos_TK >= 0) & (pos_TK < y_PD.shape[0])
-    y_TKD = _rows(y_PD, pos_TK.reshape(T * K)).reshape(T, K, -1).astype(jnp.float32)
-    y_TKD = jnp.where(valid_TK[..., None], y_TKD, 0)
-    return jnp.sum(y_TKD * weights_TK[:, :, None], axis=1).astype(y_PD.dtype)
+    y_TKD = _rows(y_PD, pos_TK.reshape(T * K)).reshape(T, K, -1)
+    y32_TKD = jnp.where(_in_range(pos_TK, y_PD.shape[0])[..., None],
+                        y_TKD.astype(jnp.float32), 0)
+    return jnp.sum(y32_TKD * weights_TK[:, :, None], axis=1).astype(y_PD.dtype), y_TKD
 
 
-def _gather_combine_fwd(y_PD, pos_TK, src_P, weights_TK):
-    return _combine(y_PD, pos_TK, weights_TK), (y_PD, pos_TK, src_P, weights_TK)
+def combine_weights_grad(y_TKD: jax.Array, g_TD: jax.Array, pos_TK: jax.Array,
+                         rows: int) -> jax.Array:
+    """The gradient of `combine`'s weights for output cotangent g_TD: y_TKD[t, k] . g[t]
+    in float32 (zero for a choice whose pos is out of `rows`)."""
+    dw_TKD = y_TKD.astype(jnp.float32) * g_TD.astype(jnp.float32)[:, None, :]
+    return jnp.sum(jnp.where(_in_range(pos_TK, rows)[..., None], dw_TKD, 0), axis=-1)
 
 
-def _gather_combine_bwd(residuals, g_TD):
-    y_PD, pos_TK, src_P, weights_TK = residuals
-    T, K = pos_TK.shape
-    valid_P = (src_P >= 0) & (src_P < T * K)
-    g_PD = _rows(g_TD, src_P // K).astype(jnp.float32)
-    w_P = _take(weights_TK.reshape(T * K), src_P)
-    dy_PD = jnp.where(valid_P[:, None], g_PD * w_P[:, None], 0).astype(y_PD.dtype)
-    s_P = jnp.sum(jnp.where(valid_P[:, None], y_PD.astype(jnp.float32) * g_PD, 0), axis=-1)
-    dw_TK = _take(s_P, pos_TK.reshape(T * K)).reshape(T, K).astype(weights_TK.dtype)
-    return (dy_PD, np.zeros(pos_TK.shape, jax.dtypes.float0),
-            np.zeros(src_P.shape, jax.dtypes.float0), dw_TK)
+def rows_and_weights(g_TD: jax.Array, weights_TK: jax.Array,
+                     src_P: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """For each slot p of a layout whose src_P[p] is the flat t * K + k of its row (T * K
+    for padding): g_TD[t] as the first D columns of g_PX's row p (more columns follow;
+    kernels read the D in place, where a slice would copy all P rows), and weights_TK[t, k]
+    in float32 (zero for padding; the row of g is then any row). One gather: XLA:TPU's
+    gathers cost about the same per index for a row of 2048 values as for one value (on a
+    v5e, 0.52 ms for 81920 rows of g, 0.57 ms for 81920 weights), so each token's K
+    weights ride along as extra columns of g, their float32 bits in g's dtype."""
+    T, K = weights_TK.shape
+    D = g_TD.shape[1]
+    w32_TK = weights_TK.astype(jnp.float32)
+    wide = g_TD.dtype.itemsize >= 4   # float32 and wider hold a float32 exactly
+    bits_TKc = (w32_TK.astype(g_TD.dtype)[..., None] if wide
+                else jax.lax.bitcast_convert_type(w32_TK, g_TD.dtype))
+    c = bits_TKc.shape[-1]
+    table = jnp.concatenate([g_TD, bits_TKc.reshape(T, K * c)], axis=1)
+    rows_PX = _rows(table, src_P // K)
+    bits_PKc = rows_PX[:, D:].reshape(-1, K, c)
+    w_PK = (bits_PKc[..., 0].astype(jnp.float32) if wide
+            else jax.lax.bitcast_convert_type(bits_PKc, jnp.float32))
+    mine_PK = (src_P[:, None] % K == jnp.arange(K)) & _in_range(src_P, T * K)[:, None]
+    return rows_PX, jnp.sum(jnp.where(mine_PK, w_PK, 0), axis=1)
 
 
-gather_combine.defvjp(_gather_combine_fwd, _gather_combine_bwd)
+def _in_range(idx: jax.Array, n: int) -> jax.Array:
+    return (idx >= 0) & (idx < n)

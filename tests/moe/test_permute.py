@@ -6,6 +6,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from shardlint.moe import _permute
 
@@ -17,24 +18,52 @@ def _dense(x_TD, w_TK, experts):
     return jnp.einsum("tkd,tk->td", experts(jnp.repeat(x_TD[:, None], K, 1)), w_TK)
 
 
-def test_permute_and_combine_match_the_dense_reference_in_values_and_gradients():
+def _case():
     group_M = jnp.asarray(np.random.default_rng(1).integers(0, G, T * K), jnp.int32)
     lay = _permute.padded_layout(group_M, G, TM)
     x = jax.random.normal(jax.random.key(2), (T, D))
     w = jax.nn.softmax(jax.random.normal(jax.random.key(3), (T, K)))
+    return lay, x, w
+
+
+def test_permute_and_combine_match_the_dense_reference_in_values_and_gradients():
+    """Rows to the slots, an elementwise stand-in for the experts, `combine` back: equal to
+    the dense reference; the gradient of x through `permute_rows`' gather-only VJP and the
+    weights' gradient from `combine_weights_grad` equal the reference's."""
+    lay, x, w = _case()
     experts = lambda v: jnp.tanh(v) * 2.0   # noqa: E731 (stands for the grouped SwiGLU)
 
     def permuted(x, w):
         x_PD = _permute.permute_rows(x, lay.src_P // K, lay.pos_M.reshape(T, K))
-        y_PD = experts(x_PD)
-        return _permute.gather_combine(y_PD, lay.pos_M.reshape(T, K), lay.src_P, w)
+        return _permute.combine(experts(x_PD), lay.pos_M.reshape(T, K), w)
 
     loss = lambda f: lambda x, w: jnp.sum(jnp.sin(f(x, w)))   # noqa: E731
-    np.testing.assert_allclose(permuted(x, w), _dense(x, w, experts), rtol=1e-6, atol=1e-6)
-    got = jax.grad(loss(permuted), (0, 1))(x, w)
-    want = jax.grad(loss(lambda x, w: _dense(x, w, experts)), (0, 1))(x, w)
-    for a, b in zip(got, want):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    y, y_TKD = permuted(x, w)
+    np.testing.assert_allclose(y, _dense(x, w, experts), rtol=1e-6, atol=1e-6)
+    dx = jax.grad(loss(lambda x, w: permuted(x, w)[0]))(x, w)
+    dx_want, dw_want = jax.grad(loss(lambda x, w: _dense(x, w, experts)), (0, 1))(x, w)
+    np.testing.assert_allclose(dx, dx_want, rtol=1e-5, atol=1e-6)
+    g_TD = jnp.cos(y)   # the loss's cotangent of the combined rows
+    dw = _permute.combine_weights_grad(y_TKD, g_TD, lay.pos_M.reshape(T, K), lay.rows)
+    np.testing.assert_allclose(dw, dw_want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_rows_and_weights_carries_each_slots_weight_exactly(dtype):
+    """One gather gives each slot its token's row of g and its own weight, bit for bit in
+    float32 also when g is bfloat16 (the weight's bits ride as two bfloat16 columns);
+    padding slots get weight zero."""
+    lay, x, w = _case()
+    w = w * 1.0001   # bits a bfloat16 could not hold
+    g_PX, w_P = _permute.rows_and_weights(x.astype(dtype), w, lay.src_P)
+    g_PD = g_PX[:, :D]
+    src = np.asarray(lay.src_P)
+    used = src < T * K
+    assert g_PD.dtype == dtype and w_P.dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(w_P)[used], np.asarray(w).reshape(-1)[src[used]])
+    assert np.all(np.asarray(w_P)[~used] == 0)
+    np.testing.assert_array_equal(np.asarray(g_PD)[used],
+                                  np.asarray(x.astype(dtype))[src[used] // K])
 
 
 def test_padding_rows_read_zeros_and_get_zero_gradients():
