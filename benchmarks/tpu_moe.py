@@ -6,7 +6,7 @@ top-8, D=2048, F=1024 by default; MFU against the chip's dense bf16 peak by `dev
 shared expert for Qwen3-Next). Times are medians of --repeats (>= 10) calls after two
 warm-up calls, each to `jax.block_until_ready`.
 
-Kernel rows (forward, and forward+backward as a VJP w.r.t. weights and input), the rows
+Kernel rows (forward, and forward+backward: the output and its VJP w.r.t. weights and input), the rows
 already grouped by expert: the grouped SwiGLU through `jax.lax.ragged_dot` (today's path),
 through shardlint's Pallas kernels (`shardlint.moe._gmm`, rows in tile-aligned groups),
 as expert-batched einsums at capacity, and a dense SwiGLU of the same FLOPs; then
@@ -111,9 +111,13 @@ def cell(s: float, flops: float, peak: float | None) -> str:
 
 
 def vjp_of(f: Callable) -> Callable:
+    """f's output and its VJP w.r.t. (w, x): a training step uses both, and a program that
+    returned only the gradients would let XLA drop forward work they do not need (the
+    last product, or the combine's gather)."""
     def run(w, x, *rest_ct):
         *rest, ct = rest_ct
-        return jax.vjp(lambda w, x: f(w, x, *rest), w, x)[1](ct)
+        y, back = jax.vjp(lambda w, x: f(w, x, *rest), w, x)
+        return y, back(ct)
     return jax.jit(run)
 
 
@@ -210,7 +214,7 @@ class Bench:
                   flush=True)
         today, now = results["RoutedMoE layer (today)"], results["RoutedMoE layer (now)"]
         print(f"RoutedMoE now vs today (bf16), max |diff| / max |today|: output "
-              f"{rel_err(now[0], today[0]):.2e}, gradients {rel_err(now[1], today[1]):.2e}")
+              f"{rel_err(now[0], today[0]):.2e}, gradients {rel_err(now[1][1], today[1][1]):.2e}")
         if a.sweep:
             self.sweep(x_TD, group_M, x_MD, sizes, w, M, E, K)
         return out
