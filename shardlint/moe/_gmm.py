@@ -23,6 +23,10 @@ and the two [rows, D] input gradients are never written apart.
 Only the tiles in use run (the grid's row dimension is the traced tile count). Rows of the
 result past the last used tile are left unwritten; callers never read them.
 
+`tiled_swiglu_combine` is the SwiGLU followed by each token's weighted sum of its K rows,
+one VJP: its backward pass hands `_down_grad` and the output's `_tgmm` the rows of g with
+each row's weight, and they scale the rows as they load them.
+
 Which kernel runs, and at which tiles, is chosen per call (`_gmm_plan`). The names carry
 "gmm" so that the analyzer's grouped-matmul pattern (`analyzer._patterns`) recognises the
 pallas_calls.
