@@ -104,6 +104,34 @@ def test_kernels_with_blocks_split_along_k_and_n(moe_testlib):
     moe_testlib.assert_tree_close(dw, dw_ref, rtol=1e-4, atol=1e-3)
 
 
+def test_swiglu_and_combine_as_one_vjp_equal_the_two_apart(moe_testlib):
+    """`tiled_swiglu_combine` (the combine's backward scaling g's rows inside the kernels)
+    equals `tiled_swiglu` followed by `_permute.combine`, differentiated by JAX, in the
+    output and in the gradients of x, every weight and the combine weights."""
+    x, w, _, G, K, _ = _swiglu_case()
+    T = x.shape[0]
+    group_M = _groups(7, T * K, G, padding=False)
+    p = _gmm_plan.Plan(8, interpret=True)
+    lay = _permute.padded_layout(group_M, G, p.tm)
+    pos_TK, meta = lay.pos_M.reshape(T, K), (lay.tile_group_I, lay.num_tiles)
+    x_PD = _permute.permute_rows(x, lay.src_P // K, pos_TK)
+    weights_TK = jax.nn.softmax(jax.random.normal(jax.random.key(8), (T, K)))
+    ct = jax.random.normal(jax.random.key(9), (T, x.shape[1]))
+
+    def one_vjp(x_PD, w, weights_TK):
+        return _gmm.tiled_swiglu_combine(x_PD, *w, *meta, pos_TK, lay.src_P, weights_TK, p)
+
+    def apart(x_PD, w, weights_TK):
+        return _permute.combine(_gmm.tiled_swiglu(x_PD, *w, *meta, p), pos_TK, weights_TK)[0]
+
+    got = jax.vjp(one_vjp, x_PD, w, weights_TK)
+    want = jax.vjp(apart, x_PD, w, weights_TK)
+    used = np.asarray(lay.src_P) < T * K   # padding slots' gradients are never read
+    dx, dx_want = (np.asarray(v[1](ct)[0])[used] for v in (got, want))
+    moe_testlib.assert_tree_close((got[0], dx, got[1](ct)[1:]),
+                                  (want[0], dx_want, want[1](ct)[1:]))
+
+
 def _layer_vjp(moe_testlib, layer, params, kernel):
     x, r = moe_testlib.activations()
     with _gmm_plan.grouped_kernel(kernel, row_tile=8):
