@@ -8,6 +8,8 @@ block with the same result as routing the whole batch.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -42,13 +44,35 @@ def route(x_TD: jax.Array, w_gate_DE: jax.Array, cfg: MoeConfig, *,
         return weights_TK, experts_TK.astype(jnp.int32)
 
 
+
 def top_k(scores_TE: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
-    """`jax.lax.top_k` of each token's scores, the values' gradient flowing through a
-    one-hot selection rather than top_k's own transpose: that is a scatter-add into
-    [T, E], 0.44 ms of RoutedMoE's training step on a v5e (`benchmarks/tpu_moe_profile.py`),
-    where the selection's transpose is an elementwise product fused with its neighbours.
-    The values are the same numbers (each is one score, selected)."""
-    _, experts_TK = jax.lax.top_k(jax.lax.stop_gradient(scores_TE), k)
-    chosen_TKE = experts_TK[..., None] == jnp.arange(scores_TE.shape[-1], dtype=experts_TK.dtype)
-    values_TK = jnp.sum(jnp.where(chosen_TKE, scores_TE[..., None, :], 0), axis=-1)
+    """`jax.lax.top_k`, its gradient written as a sum of K selections: d scores[t, e] =
+    g[t, j] where experts[t, j] == e. top_k's own transpose is a scatter-add into [T, E]
+    (0.44 ms of RoutedMoE's training step on a v5e, `benchmarks/tpu_moe_profile.py`); the
+    selections fuse with their neighbours and hold no [T, K, E] buffer (a one-hot product
+    held one on XLA:CPU: 16 MiB at T=8192, E=64, K=8). They read the K choices as rows
+    (K-major): columns of [T, K] would each be laid out as a [T, 128] tile column on a
+    TPU. The same gradient, bit for bit: each score is picked at most once."""
+    return _top_k(scores_TE, k, scores_TE.shape[-1])
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def _top_k(scores_TE, k, num_experts):
+    values_TK, experts_TK = jax.lax.top_k(scores_TE, k)
     return values_TK, experts_TK
+
+
+def _top_k_fwd(scores_TE, k, num_experts):
+    values_TK, experts_TK = jax.lax.top_k(scores_TE, k)
+    return (values_TK, experts_TK), experts_TK
+
+
+def _top_k_bwd(k, num_experts, experts_TK, cotangents):
+    g_TK, _ = cotangents   # the indices' cotangent is float0
+    ids_E = jnp.arange(num_experts, dtype=experts_TK.dtype)
+    experts_KT, g_KT = jnp.moveaxis(experts_TK, -1, 0), jnp.moveaxis(g_TK, -1, 0)
+    return (sum(jnp.where(experts_KT[j][..., None] == ids_E, g_KT[j][..., None], 0)
+                for j in range(k)),)
+
+
+_top_k.defvjp(_top_k_fwd, _top_k_bwd)

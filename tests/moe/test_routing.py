@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -13,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shardlint import moe
-from shardlint.moe import _experts
+from shardlint.moe import _experts, _routing
 
 # One XLA program per (shape, config) instead of one per primitive in eager mode.
 _moe_tokens = jax.jit(_experts.moe_tokens, static_argnums=2)
@@ -75,6 +76,25 @@ def test_route_matches_numpy(before, norm, scale):
     np.testing.assert_array_equal(np.asarray(experts), want_e)
     np.testing.assert_allclose(np.asarray(weights), want_w, rtol=1e-5, atol=1e-6)
     assert weights.dtype == jnp.float32 and experts.dtype == jnp.int32
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_top_k_gradient_equals_lax_top_k_bit_for_bit_with_no_scatter(k):
+    """The router's top_k: values, indices and gradient equal `jax.lax.top_k`'s exactly,
+    and its gradient is no scatter (XLA's, as compiled here)."""
+    scores = jax.random.normal(jax.random.key(2), (40, 8))
+    weights = jnp.arange(1.0, k + 1.0)
+
+    def loss(top_k):
+        return lambda s: jnp.sum(jnp.cos(top_k(s, k)[0]) * weights)
+    for a, b in zip(_routing.top_k(scores, k), jax.lax.top_k(scores, k)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    grad = jax.jit(jax.grad(loss(_routing.top_k)))
+    np.testing.assert_array_equal(np.asarray(grad(scores)),
+                                  np.asarray(jax.grad(loss(jax.lax.top_k))(scores)))
+    scatter = re.compile(r"\bscatter\(")   # the op, not a name that mentions it
+    assert scatter.search(jax.jit(jax.grad(loss(jax.lax.top_k))).lower(scores).compile().as_text())
+    assert not scatter.search(grad.lower(scores).compile().as_text())
 
 
 def test_grouped_swiglu_padding_rows_are_zero_and_others_exact():
