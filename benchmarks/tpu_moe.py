@@ -25,8 +25,9 @@ far. The goals of issue 34 end the run as PASS / FAIL lines (exit status 1 on a 
     python benchmarks/tpu_moe.py [--isolate] [--sweep] [--seq 8192 --experts 64 ...]
 
 --sweep adds the single kernels at each row tile (forward NN, input-gradient NT and
-weight-gradient TN products, against ragged_dot and megablox gmm) and the permutation's
-pieces: what the tile choice in `_gmm_plan` was measured from. Where the backend is not a TPU
+weight-gradient TN products, against ragged_dot and megablox gmm), the permutation's
+pieces (what the tile choice in `_gmm_plan` was measured from) and gathers of rows by the
+layout's indices out of tables of several sizes. Where the backend is not a TPU
 it prints one skip line and exits 0 (--allow-cpu runs it anyway with small sizes in
 Pallas interpret mode, to check the script; those numbers mean nothing).
 """
@@ -276,6 +277,28 @@ class Bench:
         for name, f, args in perm:
             t = median_s(f, *args, repeats=a.repeats)
             print(f"  {name:<34}{t * 1e3:8.3f} ms", flush=True)
+        self.gathers(group_M, E, K, T, D)
+
+    def gathers(self, group_M, E, K, T, D) -> None:
+        """Gathers of rows by the layout's indices out of tables of several sizes: what
+        XLA:TPU charges per index (the sort's gather reads T tokens, the combine's the P
+        slots), timed alone (each median holds a call's dispatch too)."""
+        a = self.args
+        lay = jax.jit(_permute.padded_layout, static_argnums=(1, 2))(group_M, E, 256)
+        pos, src, P = lay.pos_M, lay.src_P, lay.rows
+        take = jax.jit(lambda t, i: jnp.take(t, i, axis=0, mode="clip"))
+        print(f"\ngathers of rows (bf16, by the layout's indices; P = {P} slots)")
+        for rows, cols, idx, what in ((T + 1, D, src // K, "tokens to slots"),
+                                      (P, D, pos, "slots to choices"),
+                                      (P, D // 2, pos, "slots to choices"),
+                                      (P, D // 8, pos, "slots to choices"),
+                                      (P // 2, D, pos % (P // 2), "smaller table"),
+                                      (P // 5, D, pos % (P // 5), "smaller table"),
+                                      (T, D, pos % T, "smaller table")):
+            table = jax.random.normal(jax.random.key(5), (rows, cols), jnp.bfloat16)
+            t = median_s(take, table, idx, repeats=a.repeats)
+            print(f"  {f'{idx.shape[0]} rows of {rows} x {cols} ({what})':<50}{t * 1e3:8.3f} ms",
+                  flush=True)
 
     # ---- training steps ----
 
