@@ -304,10 +304,6 @@ def _swiglu_fwd(x_PD, wi_0_GDF, wi_1_GDF, wo_GFD, tile_group_I, num_tiles, p):
                   num_tiles)
 
 
-def _swiglu_bwd(p, residuals, dy_PD):
-    return _swiglu_grads(p, residuals, dy_PD)
-
-
 def _swiglu_grads(p, residuals, dy_PX, scale_P1=None):
     """The SwiGLU's gradients for output cotangent dy (the first D columns of dy_PX; the
     kernels read them in place), or for dy's rows times `scale_P1` ([P, 1] float32),
@@ -325,7 +321,7 @@ def _swiglu_grads(p, residuals, dy_PX, scale_P1=None):
             np.zeros(num_tiles.shape, jax.dtypes.float0))
 
 
-_swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
+_swiglu.defvjp(_swiglu_fwd, _swiglu_grads)
 
 
 # ---------------------------------------------------------------- SwiGLU, then combine

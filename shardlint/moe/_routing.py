@@ -58,8 +58,7 @@ def top_k(scores_TE: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
 def _top_k(scores_TE, k, num_experts):
-    values_TK, experts_TK = jax.lax.top_k(scores_TE, k)
-    return values_TK, experts_TK
+    return _top_k_fwd(scores_TE, k, num_experts)[0]
 
 
 def _top_k_fwd(scores_TE, k, num_experts):
