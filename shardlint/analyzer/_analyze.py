@@ -75,8 +75,7 @@ def analyze_dump(folder: str, *, module: str | None = None, mesh: dict[str, int]
         mesh=mesh_of_module(header, dumped.stablehlo, mesh),
         memory=(memory_of_buffer_assignment(dumped.buffer_assignment, f"{dumped.stem}'s buffer assignment")
                 if dumped.buffer_assignment is not None else Memory.empty()),
-        partitioner=("shardy" if "xla.sdy.meshes" in header or dumped.propagation_pass == "shardy-xla"
-                     else "gspmd"),
+        partitioner=dumped.partitioner,
         platform=dumped.platform,
         asked=_asked_in(dumped),
     )

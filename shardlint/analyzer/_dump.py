@@ -60,6 +60,15 @@ class DumpedModule:
     live_range: str | None = None    # the live ranges at the peak (buffer-assignment analysis)
     files: dict[str, str] = dataclasses.field(default_factory=dict)  # text -> its file's path
 
+    @property
+    def partitioner(self) -> str:
+        """The partitioner XLA ran, read from the module: "shardy" when it names Shardy
+        meshes or was propagated by shardy-xla, else "gspmd" (JAX's switch is not the
+        answer: JAX 0.12.1 lowers to Shardy with jax_use_shardy_partitioner=False)."""
+        header = (self.given or self.partitioned).split("\n", 1)[0]
+        return ("shardy" if "xla.sdy.meshes" in header or self.propagation_pass == "shardy-xla"
+                else "gspmd")
+
     def unread(self) -> tuple[str, ...]:
         """What the folder lacks and what the analysis then cannot say, one line each."""
         notes = []

@@ -15,7 +15,7 @@ from jax.sharding import AxisType
 import shardlint
 from shardlint.examples import steps
 
-from support import build_mesh, context_mesh, example_analyses
+from support import build_mesh, context_mesh, example_analyses, partitioners
 
 CONTEXTS = [2, 4, 8]
 
@@ -123,8 +123,7 @@ def test_memory_and_flops_come_from_xla():
 
 
 def test_gspmd_propagation_gives_the_same_finding():
-    if not hasattr(jax.config, "jax_use_shardy_partitioner"):
-        pytest.skip("this JAX has no GSPMD switch")
+    partitioners.skip_without_gspmd()
     previous = jax.config.jax_use_shardy_partitioner
     jax.config.update("jax_use_shardy_partitioner", False)
     try:

@@ -26,6 +26,7 @@ import pytest
 from shardlint import AnalysisError, HloParseError, analyze, analyze_dump
 from shardlint.analyzer._dump import read_dump
 
+from support import partitioners
 from support.dump_job import build
 from support.dumps import FULL_FLAGS, live_analysis, write_dumps
 
@@ -203,8 +204,7 @@ def test_dump_without_propagation_passes_gives_collectives_and_says_what_is_miss
 
 
 def test_gspmd_dump_needs_the_mesh_and_then_gives_the_live_gspmd_analysis(partial_dumps):
-    if not hasattr(jax.config, "jax_use_shardy_partitioner"):
-        pytest.skip("this JAX has no GSPMD switch")
+    partitioners.skip_without_gspmd()
     folder = str(partial_dumps["gspmd"])
     with pytest.raises(AnalysisError, match="names no mesh axes.*--mesh"):
         analyze_dump(folder)
