@@ -47,15 +47,3 @@ def run_cli():
                               text=True, env=env, timeout=timeout)
 
     return run
-
-
-@pytest.fixture
-def retraced_only(monkeypatch):
-    """The step's Python refuses one shard's shapes, as a step whose mask has the
-    configured length does: the rewrite traces its jaxpr again there instead (`_retrace`)."""
-    from shardlint.rewrites import _trace
-
-    def refuse(fn, avals):
-        raise ValueError("Incompatible shapes for broadcasting (forced by the test)")
-
-    monkeypatch.setattr(_trace, "_python_trace", refuse)

@@ -1,14 +1,15 @@
 """Emit the rewritten step: the original equations, with each planned group of region
-equations replaced by one `shard_map` over the token axes that replays the same equations
-at per-shard shapes, and each body that holds a region bound again with its rewritten
-jaxpr (same primitive, same parameters: a scan keeps its length, a jit its shardings and
-donation, a checkpoint its policy).
+equations replaced by one `shard_map` over the token axes that binds the same equations
+again at one shard's shapes (`_retrace.ShardBinder`), and each body that holds a region bound
+again with its rewritten jaxpr (same primitive, same parameters: a scan keeps its length, a
+jit its shardings and donation, a checkpoint its policy). Outside the groups every equation
+is the user's, bound as it was traced at global shapes.
 
 Inputs and outputs that carry tokens keep their sharding through the group boundary;
 per-shard values that another group needs (group sizes, say) travel stacked along a
 leading shard axis; values that leave the region for the rest of the program (weight
-gradients) are sums over tokens and are `psum`med across the token axes; token-sized
-constants are rebuilt inside the shard.
+gradients) are sums over tokens and are `psum`med across the token axes, at the line of
+the equation that made them; token-sized constants are rebuilt inside the shard.
 """
 
 from __future__ import annotations
@@ -84,7 +85,8 @@ class _Emitter:
 
     def _group(self, grp: Group, level: Level, env, stacked) -> None:
         plan, token_axes = self.plan, self.token_axes
-        eqns, l_eqns = level.jaxpr.eqns, level.local.eqns
+        eqns = level.jaxpr.eqns
+        producer = {v: eqns[i] for i in grp.eqns for v in eqns[i].outvars}
         passed = [v for v in grp.inputs if v not in level.built]
         # A value sized by one shard's capacity carries tokens too, but has no global form:
         # it travels stacked (`Group.stacked`), never sharded.
@@ -97,21 +99,21 @@ class _Emitter:
         arrives_stacked = [v in stacked for v in passed]
 
         def body(*local_inputs):
-            given: dict = {}     # the group's inputs, by their global Vars
-            local: dict = {}     # what the shard computes, by the per-shard trace's Vars
+            local: dict = {}     # the shard's values, by the step's Vars
             memo: dict = {}
             for v, value, is_stacked in zip(passed, local_inputs, arrives_stacked):
-                given[v] = value[0] if is_stacked else value
+                local[v] = value[0] if is_stacked else value
             for v in grp.inputs:
                 if v in level.built:
-                    given[v] = level.built[v](memo)
+                    local[v] = level.built[v](memo)
             for i in grp.eqns:
-                eqn = l_eqns[i]
-                invals = [_operand(local, given, g, a) for g, a in zip(eqns[i].invars, eqn.invars)]
-                local.update(zip(eqn.outvars, bind_eqn(eqn, invals, manual=True)))
-            return (tuple(local[plan.local_of[v]] for v in sharded_out)
-                    + tuple(jax.lax.psum(local[plan.local_of[v]], token_axes) for v in summed_out)
-                    + tuple(local[plan.local_of[v]][None] for v in stacked_out))
+                eqn = eqns[i]
+                invals = [plan.binder.operand(eqn, k, a, None if _jax.is_literal(a) else local[a])
+                          for k, a in enumerate(eqn.invars)]
+                local.update(zip(eqn.outvars, plan.binder.bind(eqn, invals)))
+            return (tuple(local[v] for v in sharded_out)
+                    + tuple(_summed(local[v], token_axes, producer[v]) for v in summed_out)
+                    + tuple(local[v][None] for v in stacked_out))
 
         # Manual over the token axes only: expert or tensor sharding of the weights stays
         # XLA's to propagate. Size-1 axes are manual too (JAX counts them as referenced).
@@ -125,12 +127,8 @@ class _Emitter:
         stacked.update(zip(stacked_out, results[n2:]))
 
 
-def _operand(local: dict, given: dict, g_atom, l_atom):
-    """An operand of a per-shard equation: a literal, a value the shard computed, or else
-    the group's input at the same place of the global equation (the two traces may hand
-    a body the same value under other names, or as a literal in one and not the other)."""
-    if _jax.is_literal(l_atom):
-        return l_atom.val
-    if l_atom in local:
-        return local[l_atom]
-    return g_atom.val if _jax.is_literal(g_atom) else given[g_atom]
+def _summed(value, token_axes, eqn):
+    """A shard's part of a sum over tokens, summed across the shards; the psum points at
+    the line of the equation that made it (the user's, not this module's)."""
+    with _jax.as_traced(eqn):
+        return jax.lax.psum(value, token_axes)

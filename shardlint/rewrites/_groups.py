@@ -52,7 +52,7 @@ def convex_groups(eqns, region: set[int]) -> list[Group]:
     return groups
 
 
-def boundaries(level, eqns, l_eqns, producer, consumers, outvars: dict, crossable, *,
+def boundaries(level, eqns, producer, consumers, outvars: dict, crossable, *,
                sharded: set, scrambled: set, labels: set, per_shard: set,
                per_shard_capacity: bool = False, counts: frozenset | set = frozenset()) -> None:
     """Fills each group's inputs and outputs, and the level's per-shard results.
@@ -99,7 +99,7 @@ def boundaries(level, eqns, l_eqns, producer, consumers, outvars: dict, crossabl
                         level.scrambled_out[at] = v in labels
                     continue
                 elif stays:
-                    _refusals.require_linear(v, eqns, l_eqns, producer, mine, tokens)
+                    _refusals.require_linear(v, eqns, producer, mine, tokens)
                     grp.summed.add(v)
                 if elsewhere or leaves:
                     grp.stacked.add(v)

@@ -50,6 +50,8 @@ class Grower:
     # With per-shard capacity: values with a dimension that shrinks per shard but is no
     # token dimension (a capacity's slots), `doubly` included; else just `doubly`.
     capacity: frozenset = frozenset()
+    # id(eqn) -> why it does not bind at one shard's shapes (`_retrace`)
+    unbound: dict = dataclasses.field(default_factory=dict)
 
     @functools.cached_property
     def scaled(self) -> set:
@@ -111,6 +113,7 @@ class Grower:
                         positional |= outs
                 else:
                     self._propagate(eqns[i], scrambled, positional, reordered=False)
+        self._refuse_unbound(eqns, region, producer, consumers)
         region = self._routed_only(eqns, region, producer, consumers, routing)
         for v in arriving:
             outside = [c for c in consumers.get(v, ()) if c not in region and sub_of(eqns[c]) is None]
@@ -196,13 +199,25 @@ class Grower:
         frame = _jax.user_frame(eqn)
         return frame is not None and (display_path(frame[0]), frame[1]) in self.seed_lines
 
+    def _experts(self, eqns, producer) -> set[int]:
+        return {i for i, e in enumerate(eqns) if reads_expert_weights(e, eqns, producer, self.scaled)}
+
+    def _refuse_unbound(self, eqns, region, producer, consumers) -> None:
+        """An op that reads the region's tokens on their way to the experts and does not
+        bind at one shard's shapes: the region cannot run per shard, and the refusal names it."""
+        experts = self._experts(eqns, producer) | {i for i, e in enumerate(eqns) if is_grouped_matmul_eqn(e)}
+        for i in sorted(region):
+            why = self.unbound.get(id(eqns[i]))
+            if why is not None and downstream(eqns, consumers, {i}) & experts:
+                _refusals.refuse_unbound(eqns[i], why)
+
     def _routed_only(self, eqns, region, producer, consumers, routing) -> set[int]:
         """The connected parts of the region that route tokens to experts: they hold a
         grouped matmul or an expert-batched dot, or a routing op whose result reaches an
         expert weight's matmul (the rest of the step, a backward included) or, from before
         the experts, what their outputs flow into, or a routing op on the same line as such
         a one (its transpose in the backward)."""
-        experts = {i for i, e in enumerate(eqns) if reads_expert_weights(e, eqns, producer, self.scaled)}
+        experts = self._experts(eqns, producer)
         after_experts = downstream(eqns, consumers, experts)
         routed_lines = set()
         for i in routing:

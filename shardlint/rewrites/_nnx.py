@@ -37,10 +37,6 @@ class NnxRewrittenStep(JittedStep):
     def notes(self):
         return self.inner.notes
 
-    @property
-    def why_retraced(self) -> str | None:
-        return self.inner.why_retraced
-
     def _build(self, args):
         return self.step
 

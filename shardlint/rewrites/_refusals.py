@@ -12,7 +12,7 @@ from .. import _jax
 from .._errors import RewriteError
 from ..internal import display_path
 
-_CUMULATIVE = {"cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp"}
+CUMULATIVE = {"cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp"}
 # Producers whose non-token result is a sum over tokens: psum across shards restores it.
 _TOKEN_REDUCTIONS = {"reduce_sum", "dot_general", "ragged_dot_general", "scatter-add", "scatter_add"}
 # Linear in a single region operand (the other operands are the same on every shard).
@@ -24,22 +24,13 @@ CAPACITY_WAY_OUT = ("Compute capacity per group of tokens (per shard), use a dro
                     "or opt in with capacity='per-shard' (CLI --per-shard-capacity) to let each "
                     "shard drop by its own capacity")
 
-RETRACED_CAPACITY = ("capacity='per-shard' cannot help here: the step does not trace at one "
-                     "shard's shapes, so a shard would keep the capacity of all tokens. Build masks "
-                     "and positions from the input's shape (x.shape[1]) so that the step traces per "
-                     "shard, or compute capacity per group of tokens")
-
-
 def user_line(eqn) -> str:
     frame = _jax.user_frame(eqn)
     return f" at {display_path(frame[0])}:{frame[1]}" if frame else ""
 
 
-def refuse_token_coupling(eqns, region, specs, *, retraced: bool = False) -> None:
-    """A running total over tokens (capacity positions) differs per shard: refuse.
-    `retraced`: the step did not trace at one shard's shapes, so its capacity cannot be
-    a shard's either, opted in or not."""
-    way_out = (RETRACED_CAPACITY if retraced else CAPACITY_WAY_OUT)
+def refuse_token_coupling(eqns, region, specs) -> None:
+    """A running total over tokens (capacity positions) differs per shard: refuse."""
     for i in sorted(region):
         eqn = _coupling_eqn(eqns[i], specs)
         if eqn is not None:
@@ -47,7 +38,7 @@ def refuse_token_coupling(eqns, region, specs, *, retraced: bool = False) -> Non
             raise RewriteError(
                 f"{eqn.primitive.name} over the token dimension{where} couples all tokens "
                 "(a capacity or position computed globally): per shard it would give different "
-                f"numbers, so this region is left alone. {way_out}")
+                f"numbers, so this region is left alone. {CAPACITY_WAY_OUT}")
 
 
 def couples_tokens(eqn, specs) -> bool:
@@ -67,7 +58,7 @@ def _coupling_eqn(eqn, specs):
     spec = specs.get(operands[0]) if operands else None
     if spec is None:
         return None
-    if name in _CUMULATIVE:
+    if name in CUMULATIVE:
         coupled = [eqn.params.get("axis", 0)]
     elif name.startswith("reduce_window"):
         coupled = [d for d, w in enumerate(eqn.params.get("window_dimensions", ())) if w > 1]
@@ -77,8 +68,9 @@ def _coupling_eqn(eqn, specs):
 
 
 def refuse_unsure(eqns, region, unsure) -> None:
-    """The values of a retraced per-shard trace that it cannot tell (`_trace.Traces.unsure`)
-    may not be read or made in a region: a shard would compute with the wrong ones."""
+    """The values whose per-shard content or shape the per-shard pass cannot tell
+    (`_trace.Traces.unsure`) may not be read or made in a region: a shard would compute with
+    the wrong ones."""
     for i in sorted(region):
         eqn = eqns[i]
         for verb, atoms in (("reads", eqn.invars), ("makes", eqn.outvars)):
@@ -86,11 +78,18 @@ def refuse_unsure(eqns, region, unsure) -> None:
             if var is not None:
                 raise RewriteError(
                     f"{eqn.primitive.name}{user_line(eqn)} in the routed region {verb} "
-                    f"{var.aval.str_short()}, whose part on each shard is not known: the step "
-                    "does not trace at one shard's shapes, so its jaxpr was traced there "
-                    "instead, and this value is built from a configured length, or splits "
-                    "the tokens where nothing else decides how. Build masks and positions "
-                    "from the input's shape (x.shape[1]) so that the step traces per shard")
+                    f"{var.aval.str_short()}, whose part on each shard is not known: it is "
+                    "built from a configured length (a table, a mask), or by an op that does "
+                    "not run at one shard's shapes, or splits the tokens where nothing else "
+                    "decides how. Build masks and positions from the input's shape "
+                    "(x.shape[1]) inside the layer, or compute this value outside it")
+
+
+def refuse_unbound(eqn, why: str) -> None:
+    raise RewriteError(
+        f"{eqn.primitive.name}{user_line(eqn)} in the routed region does not run at one shard's "
+        f"shapes ({why}): its sizes come from the configuration, not from its input. Compute "
+        "them from the input's shape (x.shape[1]) inside the layer, or move the op out of it")
 
 
 def refuse_global_capacity(eqn, var) -> None:
@@ -127,8 +126,8 @@ def refuse_scrambled_exit(eqn, var) -> None:
         "recomputes it")
 
 
-def require_linear(var, eqns, l_eqns, producer, mine, scaled) -> None:
-    if _is_linear(var, eqns, l_eqns, producer, mine, scaled, depth=0):
+def require_linear(var, eqns, producer, mine, scaled) -> None:
+    if _is_linear(var, eqns, producer, mine, scaled, depth=0):
         return
     p = producer.get(var)
     name = eqns[p].primitive.name if p is not None else "?"
@@ -140,13 +139,13 @@ def require_linear(var, eqns, l_eqns, producer, mine, scaled) -> None:
         "compute it outside the layer or per group, then rewrite")
 
 
-def _is_linear(var, eqns, l_eqns, producer, mine, scaled, depth) -> bool:
+def _is_linear(var, eqns, producer, mine, scaled, depth) -> bool:
+    """Whether `var` is a sum over tokens, up to linear maps of it: a shard's part summed
+    across shards gives it (a mean's 1/T keeps its global value per shard, so it is one)."""
     p = producer.get(var)
     if p is None or p not in mine or depth > 16:
         return False
     eqn = eqns[p]
-    if _literals(eqn) != _literals(l_eqns[p]):
-        return False  # a constant from the token count (a mean's 1/T): per shard it is wrong
     name = eqn.primitive.name
     ins = [a for a in eqn.invars if not _jax.is_literal(a)]
     region_ins = [v for v in ins if producer.get(v) in mine]
@@ -154,13 +153,9 @@ def _is_linear(var, eqns, l_eqns, producer, mine, scaled, depth) -> bool:
         return True
     if name in _LINEAR_SUMS:
         return len(region_ins) == len(ins) and all(
-            _is_linear(v, eqns, l_eqns, producer, mine, scaled, depth + 1) for v in region_ins)
+            _is_linear(v, eqns, producer, mine, scaled, depth + 1) for v in region_ins)
     if name in _LINEAR_UNARY and len(region_ins) == 1:
-        return _is_linear(region_ins[0], eqns, l_eqns, producer, mine, scaled, depth + 1)
+        return _is_linear(region_ins[0], eqns, producer, mine, scaled, depth + 1)
     if name == "div" and region_ins == ins[:1]:
-        return _is_linear(region_ins[0], eqns, l_eqns, producer, mine, scaled, depth + 1)
+        return _is_linear(region_ins[0], eqns, producer, mine, scaled, depth + 1)
     return False
-
-
-def _literals(eqn) -> list:
-    return [repr(a.val) for a in eqn.invars if _jax.is_literal(a)]

@@ -1,6 +1,7 @@
 """Plan the routed-expert regions of a traced step, in every jaxpr a layer can live in.
 
-The stages: the three traces and their pairing say which values carry tokens (`_trace`);
+The stages: the step's jaxpr bound at one shard's shapes says which values carry tokens
+(`_trace`);
 each level's region grows from its seeds (`_grow`), is checked for what per shard would
 give other numbers (`_refusals`) and split into groups that each run as one shard_map
 (`_groups`). Regions are planned in the step's own jaxpr and, recursively, inside the jit,
@@ -14,7 +15,7 @@ labels among them, as a scatter's `(batch, seq)` indices, stay labels in the bod
 reach, where a gather or scatter reads them as addresses into the shard's block),
 per-shard values stacked along a leading shard axis (group sizes saved the same way),
 and token-sized constants (iotas JAX hoisted out of a loop), which a shard rebuilds at
-its own size from the per-shard trace instead of receiving the global one. Each may only
+its own size instead of receiving the global one. Each may only
 reach a body that consumes it inside a region; anything else is refused.
 """
 
@@ -33,8 +34,9 @@ from ._builders import Builders
 from ._groups import Group, boundaries, convex_groups
 from ._flow import consumers_of, variables
 from ._grow import Grower
+from ._retrace import ShardBinder
 from ._subjaxprs import carries, sub_of
-from ._trace import Traces, pair_vars
+from ._trace import Traces
 
 
 @dataclasses.dataclass
@@ -43,8 +45,6 @@ class Level:
 
     jaxpr: object                 # open Jaxpr at global shapes
     consts: tuple                 # its constants
-    local: object                 # the same jaxpr at one shard's shapes
-    local_consts: tuple
     groups: list[Group]
     subs: dict                    # eqn index -> Level of its rewritten body
     stacked_in: set               # invars that arrive per shard, stacked on a leading axis
@@ -66,8 +66,8 @@ class Plan:
     top: Level
     axes: TokenAxes
     specs: dict                   # Var -> PartitionSpec of token-carrying values
-    local_of: dict                # global Var -> local Var
     traces: Traces
+    binder: ShardBinder           # binds the step's equations at one shard's shapes
 
 
 def plan_regions(traces: Traces, axes: TokenAxes, *, seed_lines: frozenset = frozenset(),
@@ -76,13 +76,12 @@ def plan_regions(traces: Traces, axes: TokenAxes, *, seed_lines: frozenset = fro
     routing op there (top_k, a scatter into `[batch, seq, experts]`, a sort, a cumsum)
     starts a region even without a flatten. `per_shard_capacity` lets a capacity computed
     from the tokens run per shard (each shard drops by its own capacity)."""
-    g, l = traces.global_jaxpr, traces.local_jaxpr
-    local_of = pair_vars(g.jaxpr, l.jaxpr)
-    seq_of = pair_vars(g.jaxpr, traces.seq_jaxpr.jaxpr)
+    g = traces.global_jaxpr
+    by_seq = traces.by_seq.shapes
     specs: dict = {}
     doubly: set = set()   # two dims grow with the token count (e.g. a capacity)
-    for var, lvar in local_of.items():
-        spec = _spec(var, lvar, seq_of.get(var), axes)
+    for var, shape in traces.local.shapes.items():
+        spec = _spec(var.aval.shape, shape, by_seq.get(var, var.aval.shape), axes)
         if spec is None:
             continue
         names = [a for entry in spec for a in as_axes(entry)]
@@ -94,18 +93,18 @@ def plan_regions(traces: Traces, axes: TokenAxes, *, seed_lines: frozenset = fro
     if per_shard_capacity:
         sizes = _token_sizes(g.jaxpr.invars, specs)
         capacity |= {v for v, spec in specs.items() if not _token_shaped(v, spec, sizes)}
-    planner = _Planner(axes, specs, doubly, capacity, local_of, seed_lines, per_shard_capacity, traces)
-    top = planner.level(g.jaxpr, tuple(g.consts), l.jaxpr, tuple(l.consts))
-    return Plan(top, axes, specs, local_of, traces)
+    planner = _Planner(axes, specs, doubly, capacity, seed_lines, per_shard_capacity, traces)
+    top = planner.level(g.jaxpr, tuple(g.consts))
+    return Plan(top, axes, specs, traces, planner.binder)
 
 
 class _Planner:
-    def __init__(self, axes, specs, doubly, capacity, local_of, seed_lines, per_shard_capacity, traces):
-        self.grower = Grower(axes, specs, doubly, seed_lines, per_shard_capacity, capacity)
-        self.local_of = local_of
-        self.retraced, self.unsure = traces.why_retraced is not None, traces.unsure
+    def __init__(self, axes, specs, doubly, capacity, seed_lines, per_shard_capacity, traces):
+        self.grower = Grower(axes, specs, doubly, seed_lines, per_shard_capacity, capacity, traces.unbound)
+        self.unsure = traces.unsure
+        self.binder = ShardBinder(traces.local.sizes, traces.local.literals, traces.local.folds)
 
-    def level(self, jaxpr, consts, local, local_consts, *, scrambled_in=None,
+    def level(self, jaxpr, consts, *, scrambled_in=None,
               stacked_in=frozenset(), built_in=None, positional_in=frozenset(),
               crossable=frozenset()) -> Level:
         """`scrambled_in`: the inputs that hold tokens in per-shard order, each with whether
@@ -116,8 +115,8 @@ class _Planner:
         producer = {v: i for i, e in enumerate(eqns) for v in e.outvars}
         consumers = consumers_of(eqns)
         g = self.grower
-        builders = Builders(jaxpr, local, local_consts, producer, g.scaled, built_in or {},
-                            self.local_of, positional_in, self.unsure)
+        builders = Builders(jaxpr, consts, producer, g.scaled, built_in or {}, self.binder,
+                            positional_in, self.unsure)
         region, scrambled, labels, counts = self.grower.region(
             eqns, producer, consumers, scrambled_in, stacked_in, leaves=builders.leaves())
         if region and not g.per_shard_capacity:
@@ -125,13 +124,13 @@ class _Planner:
                 for v in eqns[i].outvars:
                     if v in g.doubly:
                         _refusals.refuse_global_capacity(eqns[i], v)
-        if region and (not g.per_shard_capacity or self.retraced):
-            _refusals.refuse_token_coupling(eqns, region, g.specs, retraced=self.retraced)
+        if region and not g.per_shard_capacity:
+            _refusals.refuse_token_coupling(eqns, region, g.specs)
         _refusals.refuse_unsure(eqns, region, self.unsure)
         groups = convex_groups(eqns, region)
-        level = Level(jaxpr, consts, local, local_consts, groups, {}, set(stacked_in), {})
+        level = Level(jaxpr, consts, groups, {}, set(stacked_in), {})
         outvars = {v: k for k, v in enumerate(jaxpr.outvars) if not _jax.is_literal(v)}
-        boundaries(level, eqns, local.eqns, producer, consumers, outvars, crossable,
+        boundaries(level, eqns, producer, consumers, outvars, crossable,
                    sharded=set(g.specs), scrambled=scrambled, labels=labels, per_shard=g.capacity,
                    per_shard_capacity=g.per_shard_capacity, counts=counts)
         for grp in groups:
@@ -150,7 +149,6 @@ class _Planner:
             sub = sub_of(eqn)
             if sub is None or i in region or eqn.primitive.name == "shard_map":
                 continue
-            lsub = sub_of(level.local.eqns[i])
             first_carry, end_carry = carries(eqn)
             sub_scrambled, sub_stacked, sub_built, sub_positional = {}, set(), {}, set()
             for k, (a, inner) in enumerate(zip(eqn.invars, sub.jaxpr.invars)):
@@ -176,8 +174,7 @@ class _Planner:
             crossable = {k for k, v in enumerate(eqn.outvars)
                          if k >= end_carry - first_carry and consumers.get(v) and v not in top_outvars
                          and all(sub_of(eqns[c]) is not None for c in consumers[v])}
-            inner = self.level(sub.jaxpr, sub.consts, lsub.jaxpr, lsub.consts,
-                               scrambled_in=sub_scrambled, stacked_in=frozenset(sub_stacked),
+            inner = self.level(sub.jaxpr, sub.consts, scrambled_in=sub_scrambled, stacked_in=frozenset(sub_stacked),
                                built_in=sub_built, positional_in=frozenset(sub_positional),
                                crossable=frozenset(crossable))
             if not inner.changed:
@@ -224,12 +221,11 @@ def _token_shaped(var, spec, sizes: dict) -> bool:
                for d, entry in enumerate(spec))
 
 
-def _spec(var, lvar, svar, axes: TokenAxes) -> P | None:
-    g_shape = getattr(var.aval, "shape", ())
-    l_shape = getattr(lvar.aval, "shape", ())
+def _spec(g_shape, l_shape, s_shape, axes: TokenAxes) -> P | None:
+    """Which mesh axes shard each dimension of a value, from its shapes at global size, on
+    one shard, and with only the sequence divided."""
     if g_shape == l_shape or len(g_shape) != len(l_shape):
         return None
-    s_shape = getattr(svar.aval, "shape", g_shape) if svar is not None else g_shape
     entries = []
     for g, l, s in zip(g_shape, l_shape, s_shape):
         if g == l:

@@ -11,21 +11,24 @@ itself against the original on random inputs.
 
 from __future__ import annotations
 
+import traceback as tb
 import warnings
 from typing import Callable
+
+import jax
 
 from .._errors import NothingToRewrite, RewriteError, ShardlintError, first_line
 from .._token_axes import TokenAxes
 from .._wrapped import is_nnx_jit
+from ..internal import display_path, is_library_file
 from ._lost import lost_in
 from ._nnx import NnxRewrittenStep
 from ._rewritten import RewrittenStep, warn_unchanged
 from ._step import JittedStep
-from ._trace import user_frame_of
 from ._verify import verify_same
 
 
-def rewrite(step: Callable, mesh, *, verify: bool = False, args: tuple | None = None,
+def rewrite(step: Callable, mesh, *, verify: bool | None = None, args: tuple | None = None,
             batch_axes: tuple[str, ...] | None = None, seq_axes: tuple[str, ...] | None = None,
             analysis=None, capacity: str = "global", params_argnums: tuple[int, ...] | None = None,
             progress: Callable[[str], None] | None = None):
@@ -42,12 +45,14 @@ def rewrite(step: Callable, mesh, *, verify: bool = False, args: tuple | None = 
     tokens with the capacity of its own token count (GShard groups; a sharding constraint
     in there that asks for the whole sequence is dropped), so each shard drops by its own
     capacity, which changes which tokens drop: it is opt-in, and by default such a region
-    is refused. With `verify=True` (needs `args`) both versions run once on random inputs
-    of the real shapes and a `RewriteError` is raised if any output differs beyond float32
-    tolerance. A step whose Python does not trace at one shard's shapes (a mask of the
-    configured length), or traces into other equations there, has its jaxpr traced there
-    instead (`result.retraced`; `result.why_retraced` says why) and its numbers verified so
-    whenever `args` is given. The result behaves like a jitted function (`__call__`, `trace`, `lower`);
+    is refused. The step's Python is traced once, at its global shapes; a region's per-shard
+    program is its own equations bound at one shard's shapes, where numbers the Python drew
+    from array sizes (a mean's 1/T) keep their global values. So by default (`verify=None`)
+    a step rewritten that way is checked whenever it can be: both versions run once on
+    random inputs of `args`' shapes and shardings, and a `RewriteError` is raised if any
+    output differs beyond float32 tolerance. Not with per-shard capacity (it drops other
+    tokens by design) nor on devices that only compile (a TPU topology); `verify=True`
+    insists, `verify=False` skips. The result behaves like a jitted function (`__call__`, `trace`, `lower`);
     `result.changed` says whether anything was rewritten (known once built for some
     arguments: at once when `args` is given), and a `NothingToRewrite` warning says so
     when nothing was.
@@ -78,11 +83,24 @@ def rewrite(step: Callable, mesh, *, verify: bool = False, args: tuple | None = 
         if args is None:
             raise RewriteError("verify=True needs args= to build inputs of the real shapes")
         verify_same(step, result, args, progress=progress)
-    elif result.changed and result.retraced and not isinstance(result, NnxRewrittenStep):
-        # Its per-shard equations were reconstructed, and numbers the step's Python drew
-        # from array sizes (a mean's 1/T) kept their global values there: check them.
+    elif verify is None and result.changed and _checkable(result, args, per_shard, progress):
         verify_same(step, result, args, progress=progress)
     return result
+
+
+def _checkable(result: JittedStep, args, per_shard_capacity: bool, progress) -> bool:
+    """Whether a rewrite is checked by default: one whose regions were bound at one shard's
+    shapes (not the `shardlint.moe` swap, not an `nnx.jit` wrapper that updates its modules
+    in place), with the capacity of all tokens, on arguments whose devices can run."""
+    if args is None or not isinstance(result, RewrittenStep) or per_shard_capacity:
+        return False
+    runnable = set(jax.devices())
+    placed = [getattr(getattr(x, "sharding", None), "device_set", set()) for x in jax.tree_util.tree_leaves(args)]
+    if any(not devices <= runnable for devices in placed):
+        if progress:
+            progress("not verifying the rewrite's numbers: its devices only compile")
+        return False
+    return True
 
 
 def _build_or_refuse(result: JittedStep, args) -> None:
@@ -106,3 +124,13 @@ def _jaxpr_route(step, mesh, axes, progress, lost, per_shard_capacity, params_ar
     if is_nnx_jit(step):
         return NnxRewrittenStep(step, RewrittenStep(step.jitted_fn, mesh, **kwargs))
     return RewrittenStep(step, mesh, **kwargs)
+
+
+def user_frame_of(traceback) -> str:
+    """` at file:line (function)` of the innermost user frame of a traceback, or ""."""
+    frames = [f for f in tb.extract_tb(traceback) if not is_library_file(f.filename)
+              and "/shardlint/rewrites/" not in f.filename]
+    if not frames:
+        return ""
+    f = frames[-1]
+    return f" at {display_path(f.filename)}:{f.lineno} ({f.name})"

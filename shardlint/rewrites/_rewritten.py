@@ -1,10 +1,11 @@
 """RewrittenStep: the step with its routed-expert regions re-emitted per shard (the jaxpr route).
 
 Built once per distinct arguments (`JittedStep`): the token axes come from the caller or
-from where the analysis found the sharding lost (`_lost`); the step is traced at its global
-and at one shard's shapes (`_trace`), the regions that lose the sequence sharding are
-planned (`_regions`) and emitted inside `shard_map` (`_emit`), and the result is jitted as
-the original was (`_jitted`). A step with nothing to rewrite runs as it is, and a
+from where the analysis found the sharding lost (`_lost`); the step is traced once, at its
+global shapes, and its values' shapes on one shard found from that jaxpr (`_trace`); the
+regions that lose the sequence sharding are planned (`_regions`) and emitted inside
+`shard_map`, their own equations bound at one shard's shapes (`_emit`), and the result is
+jitted as the original was (`_jitted`). A step with nothing to rewrite runs as it is, and a
 `NothingToRewrite` warning says so.
 """
 
@@ -68,11 +69,7 @@ class RewrittenStep(JittedStep):
             return self._unchanged(NOTHING_LOST)
         axes = tokens.axes
         traces = trace_step(self.step, args, dataclasses.replace(tokens, params_argnums=self.params_argnums),
-                            self.mesh)
-        if traces.why_retraced is not None:
-            self.why_retraced = traces.why_retraced
-            self.notes.append(f"{traces.why_retraced}: its jaxpr was traced there instead")
-            self.progress(self.notes[-1])
+                            self.mesh, per_shard_capacity=self.per_shard_capacity)
         plan = plan_regions(traces, axes, seed_lines=lost.lines if lost else frozenset(),
                             per_shard_capacity=self.per_shard_capacity)
         if not plan.top.changed:

@@ -1,6 +1,6 @@
-"""Shapes at one shard's size, for the jaxpr traced again there (`_retrace`): what a
-shape parameter becomes (a broadcast's, a reshape's), and which operands to rebuild, at
-which shapes, where an op meets operands of other sizes.
+"""Shapes at one shard's size, for the equations bound again there (`_retrace`): what a
+shape parameter becomes (a broadcast's, a reshape's, a slice's), and which operands to
+make again, at which shapes, where an op meets operands of other sizes.
 
 Each rule reads the global equation and the shard-sized operands it met; none traces.
 """
@@ -25,12 +25,13 @@ class Unfit(Exception):
     """The global jaxpr does not bind again at one shard's shapes."""
 
 
-def mend(eqn, invals) -> dict:
+def mend(eqn, invals, known_first=lambda atom: True) -> dict:
     """The operands to rebuild, and at which shapes, for `eqn` to bind on `invals`: {}
-    where that is not known."""
+    where that is not known. `known_first`: whether an operand's shape is known rather
+    than guessed; the known ones decide first."""
     name = eqn.primitive.name
     if elementwise(eqn):
-        return _met(eqn, invals)
+        return _met(eqn, invals, known_first)
     if name == "concatenate":
         return _met_along(eqn, invals, eqn.params["dimension"])
     if name == "dot_general":
@@ -47,7 +48,8 @@ def elementwise(eqn) -> bool:
         return False
     shape = eqn.outvars[0].aval.shape
     return (all(v.aval.shape == shape for v in eqn.outvars)
-            and all(_jax.is_literal(a) or fitted(a.aval.shape, shape, shape) is not None for a in eqn.invars))
+            and all(_jax.is_literal(a) or not a.aval.shape or fitted(a.aval.shape, shape, shape) is not None
+                    for a in eqn.invars))
 
 
 def fitted(operand, result, target) -> tuple | None:
@@ -60,15 +62,15 @@ def fitted(operand, result, target) -> tuple | None:
     return tuple(t if n == g else 1 for n, g, t in zip(operand, result, target))
 
 
-def _met(eqn, invals) -> dict:
+def _met(eqn, invals, known_first) -> dict:
     """The operands of an elementwise op to rebuild. Each dimension takes its size from
-    the operand that shrank along the most dimensions and does not broadcast there (the
-    others still have a global size, or a guessed split)."""
+    the operand of a known shape that shrank along the most dimensions and does not
+    broadcast there (the others still have a global size, or a guessed split)."""
     result = eqn.outvars[0].aval.shape
-    operands = [(a.aval.shape, np.shape(x)) for a, x in zip(eqn.invars, invals)
+    operands = [(a.aval.shape, np.shape(x), known_first(a)) for a, x in zip(eqn.invars, invals)
                 if not _jax.is_literal(a) and fitted(a.aval.shape, result, result)]
-    operands.sort(key=lambda o: -sum(n != g for n, g in zip(o[1], o[0])))
-    target = tuple(next((s[d] for g, s in operands if g[d] == result[d]), result[d])
+    operands.sort(key=lambda o: (not o[2], -sum(n != g for n, g in zip(o[1], o[0]))))
+    target = tuple(next((s[d] for g, s, _ in operands if g[d] == result[d]), result[d])
                    for d in range(len(result)))
     resized = {}
     for a, x in zip(eqn.invars, invals):
@@ -131,34 +133,41 @@ def broadcast_shape(eqn, operand_shape) -> tuple:
     return tuple(shape)
 
 
-def reshaped(global_in, local_in, global_out) -> tuple[tuple, tuple]:
+def slice_limits(eqn, operand_shape) -> tuple:
+    """A slice's limits at one shard's size: a dimension sliced to its end ends at the
+    shard's end (MaxText's `mask[..., 1:]` over capacity slots); the others keep theirs."""
+    whole = eqn.invars[0].aval.shape
+    return tuple(n if limit == g else limit
+                 for limit, g, n in zip(eqn.params["limit_indices"], whole, operand_shape))
+
+
+def slice_sizes(eqn, operand_shape) -> tuple:
+    """A dynamic slice's sizes at one shard's size: a whole dimension stays whole."""
+    whole = eqn.invars[0].aval.shape
+    return tuple(n if size == g else size for size, g, n in zip(eqn.params["slice_sizes"], whole, operand_shape))
+
+
+def reshaped(global_in, local_in, global_out, folds: dict | None = None) -> tuple[tuple, tuple]:
     """A reshape's result at one shard's size, and which of its dimensions are a guess.
     The dimensions split into the smallest segments of equal size on both sides; a
-    segment's result dimensions shrink by what its operand dimensions shrank, the outermost
-    first. Where a shrunk segment splits into several dimensions that are not 1, that is a
-    guess, which `_retrace` mends where the result meets a value of another shape."""
+    segment's result dimensions shrink by what its operand dimensions shrank. Where a
+    shrunk segment splits into several dimensions that are not 1, they unfold as an earlier
+    reshape folded dimensions of the same global sizes (`folds`: tokens back into batch and
+    sequence, as they were flattened); else the outermost shrinks first, which is a guess
+    that `_retrace` mends where the result meets a value of another shape."""
     out = list(global_out)
     guessed: tuple = ()
-    i = j = 0
-    while i < len(global_in) or j < len(out):
-        i0, j0, size_in, size_out = i, j, 1, 1
-        if i < len(global_in):
-            size_in, i = global_in[i], i + 1
-        if j < len(out):
-            size_out, j = out[j], j + 1
-        while size_in != size_out:
-            if size_in < size_out and i < len(global_in):
-                size_in, i = size_in * global_in[i], i + 1
-            elif size_out < size_in and j < len(out):
-                size_out, j = size_out * out[j], j + 1
-            else:
-                raise Unfit(f"a reshape of {tuple(global_in)} to {tuple(global_out)} has no segments")
-        local = math.prod(local_in[i0:i])
+    for i0, i, j0, j in _segments(global_in, global_out):
+        size_in, local = math.prod(global_in[i0:i]), math.prod(local_in[i0:i])
         if local == size_in:
             continue
         if size_in % local:
             raise Unfit(f"a reshape of {tuple(global_in)} to {tuple(global_out)} does not divide "
                         f"at one shard's size {tuple(local_in)}")
+        unfolded = (folds or {}).get(tuple(global_out[j0:j]))
+        if unfolded is not None and math.prod(unfolded) == local:
+            out[j0:j] = unfolded
+            continue
         if sum(n != 1 for n in out[j0:j]) > 1:
             guessed += tuple(range(j0, j))
         factor = size_in // local
@@ -167,3 +176,31 @@ def reshaped(global_in, local_in, global_out) -> tuple[tuple, tuple]:
             out[d] //= take
             factor //= take
     return tuple(out), guessed
+
+
+def folded(global_in, local_in, global_out) -> dict:
+    """The runs of dimensions a reshape folds into one, by their global sizes, with their
+    sizes on one shard: how the same sizes unfold again (`reshaped`'s `folds`)."""
+    return {tuple(global_in[i0:i]): tuple(local_in[i0:i])
+            for i0, i, j0, j in _segments(global_in, global_out)
+            if i - i0 > 1 and j - j0 == 1 and tuple(local_in[i0:i]) != tuple(global_in[i0:i])}
+
+
+def _segments(global_in, global_out):
+    """(i0, i, j0, j) per segment: `global_in[i0:i]` and `global_out[j0:j]`, the smallest
+    runs of dimensions of equal size."""
+    i = j = 0
+    while i < len(global_in) or j < len(global_out):
+        i0, j0, size_in, size_out = i, j, 1, 1
+        if i < len(global_in):
+            size_in, i = global_in[i], i + 1
+        if j < len(global_out):
+            size_out, j = global_out[j], j + 1
+        while size_in != size_out:
+            if size_in < size_out and i < len(global_in):
+                size_in, i = size_in * global_in[i], i + 1
+            elif size_out < size_in and j < len(global_out):
+                size_out, j = size_out * global_out[j], j + 1
+            else:
+                raise Unfit(f"a reshape of {tuple(global_in)} to {tuple(global_out)} has no segments")
+        yield i0, i, j0, j

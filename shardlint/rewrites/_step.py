@@ -22,7 +22,6 @@ from .._wrapped import quick_signature, signature, without_shardings
 
 class JittedStep(abc.ABC):
     changed: bool | None = None
-    why_retraced: str | None = None   # why its jaxpr was traced at one shard's shapes; None if it was not
     notes: list[str]
     step: Callable
 
@@ -69,11 +68,6 @@ class JittedStep(abc.ABC):
             staged = self._staged(args)
             own = getattr(staged, "eval_shape", None)
             return own(*args) if callable(own) else jax.eval_shape(staged, *args)
-
-    @property
-    def retraced(self) -> bool:
-        """Whether its jaxpr was traced at one shard's shapes (`why_retraced` says why)."""
-        return self.why_retraced is not None
 
     @property
     def __name__(self) -> str:

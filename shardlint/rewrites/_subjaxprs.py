@@ -69,7 +69,7 @@ def bind_with(eqn, new_inner, invals: list) -> list:
     name = eqn.primitive.name
     with _jax.as_traced(eqn):
         if name in _INLINED:
-            return replay(new_inner, invals, manual=False)
+            return replay(new_inner, invals)
         params = dict(eqn.params)
         if name in ("remat2", "checkpoint"):
             jaxpr, consts = _jax.open_jaxpr(new_inner)

@@ -154,29 +154,3 @@ def _atol(w) -> float:
     """Gradients are small (of order 1e-6 for the experts' weights): an absolute tolerance
     of 1e-6 of the leaf's own scale, with rtol 1e-5 as everywhere."""
     return 1e-6 * float(np.max(np.abs(w), initial=0))
-
-
-def test_a_step_traced_again_from_its_jaxpr_is_refused_at_the_capacity(context_4, request):
-    """Where MaxText's Python does not trace at one shard's shapes (here forced), its jaxpr
-    keeps the whole sequence's capacity: slicing the one-hot slots does not bind at one
-    shard's shapes, and the refusal names that line and the way out."""
-    fn, args, before, *_ = context_4
-    line = _moe_line("combine_mask = combine_mask[..., 1:]")
-    request.getfixturevalue("retraced_only")
-    with pytest.raises(shardlint.RewriteError, match=rf"nor does its jaxpr \(slice at maxtext/layers/moe\.py:{line} "
-                                                     r"does not bind.*x\.shape\[1\]"):
-        shardlint.rewrite(fn, mesh_of(args), args=args, analysis=before, capacity="per-shard")
-
-
-def _moe_line(snippet: str, within: str = "def generate_masks(self") -> int:
-    """The line of moe.py holding `snippet`, in the function that `within` starts."""
-    import inspect
-
-    from maxtext.layers import moe
-
-    lines = inspect.getsource(moe).splitlines()
-    start = next(i for i, text in enumerate(lines) if within in text)
-    end = next((i for i in range(start + 1, len(lines)) if lines[i].lstrip().startswith("def ")), len(lines))
-    hits = [i + 1 for i in range(start, end) if snippet in lines[i]]
-    assert len(hits) == 1, (snippet, hits)
-    return hits[0]

@@ -133,22 +133,6 @@ def test_dense_path_rewrite_keeps_loss_and_gradients(dense_rewritten):
     assert verify_same(fn, fixed, args, rtol=1e-5, atol=1e-6)
 
 
-def test_dense_path_traced_again_from_its_jaxpr_is_rewritten_alike(dense_rewritten, request):
-    """Where a step's Python does not trace at one shard's shapes, its jaxpr is traced
-    there instead: on MaxText's layer that gives the same rewrite as its Python does."""
-    from shardlint.analyzer._compile import mesh_of
-    from shardlint.rewrites import verify_same
-
-    fn, args, before, _, after = dense_rewritten
-    request.getfixturevalue("retraced_only")
-    fixed = shardlint.rewrite(fn, mesh_of(args), args=args, analysis=before)
-    assert fixed.notes[0].endswith("its jaxpr was traced there instead")
-    retraced = shardlint.analyze(fixed, *args)
-    assert retraced.findings == after.findings == ()
-    assert retraced.memory.temp_bytes == after.memory.temp_bytes
-    assert verify_same(fn, fixed, args, rtol=1e-5, atol=1e-6)
-
-
 def test_sparse_path_is_returned_unchanged(cache_dir):
     from shardlint.analyzer._compile import mesh_of
 

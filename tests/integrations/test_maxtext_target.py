@@ -115,21 +115,6 @@ def test_dense_path_rewritten_per_shard_with_the_same_numbers(dense, dense_rewri
     assert outside(after) <= outside(before)
 
 
-def test_dense_path_traced_again_from_its_jaxpr_is_rewritten_alike(dense, dense_rewritten, request):
-    """MaxText's training step (attention, embeddings, scanned and rematerialized layers)
-    with its jaxpr traced at one shard's shapes instead of its Python: the same rewrite."""
-    fn, args, before = dense
-    _, python = dense_rewritten
-    request.getfixturevalue("retraced_only")   # after the Python route's result is cached
-    fixed = shardlint.rewrite(fn, mesh_of(args), args=args, analysis=before)   # verifies the numbers
-    assert fixed.notes[0].endswith("its jaxpr was traced there instead")
-    retraced = shardlint.analyze(fixed, *args)
-    assert _moe_findings(retraced) == []
-    where = lambda a: sorted((f.kind, f.op, f"{f.source}", f.axes, f.bytes) for f in a.findings)  # noqa: E731
-    assert where(retraced) == where(python)
-    assert retraced.memory.temp_bytes == python.memory.temp_bytes
-
-
 # Qwen3-Next's layers (gated delta-net and full attention, a shared expert) with small dims,
 # its dense MoE path, at context 2 x tensor 4: the shape of benchmarks/maxtext_config.py.
 QWEN3_NEXT = dict(model_name="qwen3-next-80b-a3b", override_model_config=True, base_num_decoder_layers=4,

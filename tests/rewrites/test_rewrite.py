@@ -36,8 +36,6 @@ def _case(make_name: str, context: int):
 def test_rewritten_step_keeps_tokens_sharded_and_equal(make_name, context):
     mesh, fn, args, fixed, before, after = _case(make_name, context)
     assert isinstance(fixed, RewrittenStep)
-    # Its Python traced at one shard's shapes: no jaxpr was traced there instead.
-    assert fixed.retraced is False and fixed.why_retraced is None
     assert any(f.op == "reshape" and "context" in f.axes for f in before.findings)
     assert before.all_gathers(), "the original must show the bug"
     assert after.findings == ()
@@ -76,7 +74,7 @@ def test_verify_fails_loudly_when_numbers_differ():
 
 def test_global_capacity_is_refused_with_the_reason(mesh):
     fn, args = steps.make_capacity_step(mesh, SIZES)
-    with pytest.raises(shardlint.RewriteError, match="grows with the number of tokens") as info:
+    with pytest.raises(shardlint.RewriteError, match=r"cumsum over the token dimension at .* couples all tokens") as info:
         shardlint.rewrite(fn, mesh, args=args)
     assert "steps.py" in str(info.value) and "dropless" in str(info.value)
 

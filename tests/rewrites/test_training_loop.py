@@ -70,7 +70,9 @@ ROUTES = {
 def test_a_training_loop_compiles_once_and_trains_as_the_original(route, mesh):
     make, returns_grads = ROUTES[route]
     step, args = make(mesh)
-    fixed = shardlint.rewrite(step, mesh, args=args)
+    # Not verified on random inputs first: that would compile the step before the loop,
+    # and the loop itself compares the numbers.
+    fixed = shardlint.rewrite(step, mesh, args=args, verify=False)
     assert fixed.changed is True
     assert isinstance(fixed, SwappedStep) == route.startswith("swap")
     params, *batch = random_like(args)

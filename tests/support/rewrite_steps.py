@@ -277,3 +277,77 @@ def make_maxtext_capacity_step(mesh, capacity_factor: float = 1.25, *, layer=Non
         return (value, grads, aux) if leak else (value, grads)
 
     return step, (_moe_params(mesh), _batch(mesh))
+
+
+def make_kernel_wrapper_step(mesh):
+    """Attention in a kernel wrapper of its own, as MaxText's flash attention is on TPU: a
+    `jax.shard_map` over the mesh that checks the global batch against its batch axis (its
+    kernel takes blocks of two rows per device) and gathers K/V over `context` inside; then
+    the routed MoE. At one shard's shapes the check would not hold (a shard has two batch
+    rows, not two per device of `data`): the attention stays as written."""
+    spec = P("data", "context", None)
+
+    def per_device(q_BSD, k_BSD, v_BSD):
+        k_BSD = jax.lax.all_gather(k_BSD, "context", axis=1, tiled=True)
+        v_BSD = jax.lax.all_gather(v_BSD, "context", axis=1, tiled=True)
+        scores_BQK = jnp.einsum("bqd,bkd->bqk", q_BSD, k_BSD) / math.sqrt(q_BSD.shape[-1])
+        return jnp.einsum("bqk,bkd->bqd", jax.nn.softmax(scores_BQK, axis=-1), v_BSD)
+
+    def attention(params, x_BSD):
+        rows = 2 * mesh.shape["data"]
+        if x_BSD.shape[0] % rows:   # <- checks the global batch
+            raise AssertionError(f"batch {x_BSD.shape[0]} should be blocks of 2 rows per device of data")
+        q, k, v = (x_BSD @ params[w] for w in ("wq", "wk", "wv"))
+        return jax.shard_map(per_device, mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec)(q, k, v)
+
+    def block(params, x_BSD):
+        x_BSD = x_BSD + attention(params, x_BSD)
+        return x_BSD + routed_moe(params, x_BSD, TOP_K)
+
+    params = {**_moe_params(mesh), **{w: _sds(mesh, (EMB, EMB)) for w in ("wq", "wk", "wv")}}
+    return _loss_step(block), (params, _sds(mesh, (2 * mesh.shape["data"], SEQ, EMB), spec))
+
+
+def make_token_key_step(mesh, *, positions: str = "iota"):
+    """The routed MoE sorting its token copies by one key, `expert * T + token`: the token
+    count T is a literal of the step's jaxpr, and the token ids are an iota of T
+    (`positions="iota"`) or a constant computed once (`"constant"`). Per shard the key
+    keeps the global T and takes the shard's own ids; it still orders by expert, then by
+    token."""
+
+    def moe(params, x_BSD):
+        b, s, d = x_BSD.shape
+        t = b * s
+        tokens_TD = x_BSD.reshape(t, d)
+        weights_TK, experts_TK = _route(tokens_TD, params["w_gate"], TOP_K)
+        if positions == "iota":
+            ids_T = jnp.arange(t)
+        else:
+            with jax.ensure_compile_time_eval():
+                ids_T = jnp.arange(t)
+        key_TK = experts_TK * t + ids_T[:, None]   # <- the global token count
+        order = jnp.argsort(key_TK.reshape(-1))
+        sorted_TkD = jnp.repeat(tokens_TD, TOP_K, axis=0)[order]
+        group_sizes = jnp.bincount(experts_TK.reshape(-1), length=EXPERTS).astype(jnp.int32)
+        hidden = jax.nn.silu(jax.lax.ragged_dot(sorted_TkD, params["w_in"], group_sizes))
+        out_sorted = jax.lax.ragged_dot(hidden, params["w_out"], group_sizes)
+        out_TkD = jnp.zeros_like(out_sorted).at[order].set(out_sorted)
+        return (out_TkD.reshape(t, TOP_K, d) * weights_TK[..., None]).sum(1).reshape(b, s, d)
+
+    return _loss_step(moe), (_moe_params(mesh), _batch(mesh))
+
+
+def make_configured_slice_step(mesh):
+    """The routed MoE keeping only the first half of the flattened tokens by a size from
+    the configuration: at one shard's shapes that slice is longer than the shard's tokens,
+    so the op inside the region cannot run per shard."""
+
+    def moe(params, x_BSD):
+        b, s, d = x_BSD.shape
+        tokens_TD = x_BSD.reshape(b * s, d)
+        first_TD = jax.lax.dynamic_slice_in_dim(tokens_TD, 0, BATCH * SEQ // 2)   # <- configured half
+        weights_TK, experts_TK = _route(first_TD, params["w_gate"], TOP_K)
+        out_TD = _experts(first_TD, weights_TK, experts_TK, params["w_in"], params["w_out"])
+        return jnp.concatenate([out_TD, jnp.zeros_like(out_TD)]).reshape(b, s, d)
+
+    return _loss_step(moe), (_moe_params(mesh), _batch(mesh))
