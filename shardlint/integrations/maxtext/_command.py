@@ -16,7 +16,7 @@ import difflib
 import sys
 from typing import Sequence
 
-from ..._errors import ShardlintError, UsageError
+from ..._errors import UsageError, exit_code
 from ._handover import Fixed, Options, handed_over
 from ._target import _require_maxtext
 
@@ -48,9 +48,9 @@ def split(argv: Sequence[str]) -> tuple[Options, list[str]]:
             continue
         key, eq, value = arg.partition("=")
         if key not in KEYS:
-            close = difflib.get_close_matches(key, KEYS, n=2)
+            close = difflib.get_close_matches(key, KEYS, n=1)
             mistakes.append(f"shardlint has no key {key!r}"
-                            + (f" (did you mean {' or '.join(close)}?)" if close else "")
+                            + (f" (did you mean {close[0]}?)" if close else "")
                             + f"; its keys are {', '.join(KEYS)}")
         elif not eq:
             mistakes.append(f"{key} needs a value: {key}=true or {key}=false")
@@ -74,19 +74,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE, file=sys.stdout if argv else sys.stderr)
         return 0 if argv else 2
-    try:
-        options, maxtext_argv = split(argv)
-        _require_maxtext()
-        return _run(options, maxtext_argv)
-    except ShardlintError as e:
-        print(f"shardlint: error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("shardlint: interrupted", file=sys.stderr)
-        return 130
+    return exit_code(lambda: _run(*split(argv)))
 
 
 def _run(options: Options, maxtext_argv: list[str]) -> int:
+    _require_maxtext()
     from absl import app
     from maxtext.trainers.pre_train import train
 

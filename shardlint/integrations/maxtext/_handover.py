@@ -80,8 +80,9 @@ def _rewriting(original: Callable, options: Options, on_fixed: Callable[[Fixed],
         given = signature.bind(*args, **kwargs)
         given.apply_defaults()
         config, mesh, state = (given.arguments[k] for k in ("config", "mesh", "state"))
+        # MaxText's own test for an eval step (`if eval_data_iterator:`), before it jits one
+        _refuse_unreached(config, has_eval=bool(given.arguments["eval_data_iterator"]))
         train_step, eval_step = original(*args, **kwargs)
-        _refuse_unreached(config, has_eval=eval_step is not None)
         train_step = _fix(train_step, "train", mesh, (state, _batch(config, mesh, is_eval=False)),
                           config.logical_axis_rules, options, on_fixed)
         if eval_step is not None:
