@@ -3,6 +3,9 @@ the CLI turns them into one line and exit code 2."""
 
 from __future__ import annotations
 
+import sys
+from typing import Callable
+
 
 class ShardlintError(Exception):
     """Base of every error shardlint raises on purpose."""
@@ -49,3 +52,16 @@ def first_line(error: BaseException) -> str:
     message that quotes someone else's error keeps of it."""
     text = str(error).strip()
     return text.splitlines()[0].rstrip(".") if text else ""
+
+
+def exit_code(command: Callable[[], int]) -> int:
+    """What a command line returns: `command()`'s exit code; 2 after one line on stderr for
+    a ShardlintError (never a traceback); 130 on Ctrl-C."""
+    try:
+        return command()
+    except ShardlintError as e:
+        print(f"shardlint: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("shardlint: interrupted", file=sys.stderr)
+        return 130

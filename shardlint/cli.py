@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ._errors import ShardlintError
+from ._errors import exit_code
 
 
 def _add_target(p: argparse.ArgumentParser) -> None:
@@ -170,14 +170,7 @@ def main(argv: list[str] | None = None) -> int:
         args = parser.parse_args(_negative_values_attached(sys.argv[1:] if argv is None else list(argv)))
     except SystemExit as e:  # argparse already printed one line of usage
         return int(e.code or 0)
-    try:
-        return _commands()[args.command](args)
-    except ShardlintError as e:
-        print(f"shardlint: error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("shardlint: interrupted", file=sys.stderr)
-        return 130
+    return exit_code(lambda: _commands()[args.command](args))
 
 
 if __name__ == "__main__":

@@ -41,7 +41,7 @@ import sys
 import tempfile
 from typing import Any, Callable, Sequence
 
-from .._errors import UsageError
+from ..._errors import UsageError
 
 INSTALL = "pip install 'shardlint[maxtext]'"
 
