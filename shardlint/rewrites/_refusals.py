@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from .. import _jax
 from .._errors import RewriteError
+from .._token_axes import as_axes
 from ..internal import display_path
 
 CUMULATIVE = {"cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp"}
@@ -67,22 +68,36 @@ def _coupling_eqn(eqn, specs):
     return eqn if any(d < len(spec) and spec[d] is not None for d in coupled) else None
 
 
-def refuse_unsure(eqns, region, unsure) -> None:
-    """The values whose per-shard content or shape the per-shard pass cannot tell
-    (`_trace.Traces.unsure`) may not be read or made in a region: a shard would compute with
-    the wrong ones."""
+def refuse_unsure(eqns, region, stand_ins, guessed, specs, axes, unbound) -> None:
+    """What the per-shard pass cannot tell (`_trace.Traces`) may not reach a region's
+    shards: an op of the region that does not bind at one shard's shapes (`unbound`, id ->
+    why), a split of the tokens whose shape is a guess, or a stand-in (a value whose
+    per-shard content the pass does not know) in flattened token order, whose blocks are not
+    a shard's tokens. A stand-in in `(batch, seq, ...)` form (a dropout mask drawn at global
+    shapes) may be read: it arrives as the shard's block of the real value."""
     for i in sorted(region):
         eqn = eqns[i]
-        for verb, atoms in (("reads", eqn.invars), ("makes", eqn.outvars)):
-            var = next((a for a in atoms if not _jax.is_literal(a) and a in unsure), None)
-            if var is not None:
-                raise RewriteError(
-                    f"{eqn.primitive.name}{user_line(eqn)} in the routed region {verb} "
-                    f"{var.aval.str_short()}, whose part on each shard is not known: it is "
-                    "built from a configured length (a table, a mask), or by an op that does "
-                    "not run at one shard's shapes, or splits the tokens where nothing else "
-                    "decides how. Build masks and positions from the input's shape "
-                    "(x.shape[1]) inside the layer, or compute this value outside it")
+        if id(eqn) in unbound:
+            refuse_unbound(eqn, unbound[id(eqn)])
+        made = next((v for v in eqn.outvars if v in guessed), None)
+        read = next((a for a in eqn.invars if not _jax.is_literal(a) and (
+            a in guessed or (a in stand_ins and _flattened(specs.get(a), axes)))), None)
+        var, verb = (made, "makes") if made is not None else (read, "reads")
+        if var is not None:
+            raise RewriteError(
+                f"{eqn.primitive.name}{user_line(eqn)} in the routed region {verb} "
+                f"{var.aval.str_short()}, whose part on each shard is not known: it is "
+                "built from a configured length (a table, a mask), or by an op that does "
+                "not run at one shard's shapes, or splits the tokens where nothing else "
+                "decides how. Build masks and positions from the input's shape "
+                "(x.shape[1]) inside the layer, or compute this value outside it")
+
+
+def _flattened(spec, axes) -> bool:
+    """Whether a dimension of `spec` holds batch and sequence axes together (tokens folded
+    into one dimension)."""
+    return spec is not None and any(set(as_axes(e)) & set(axes.batch) and set(as_axes(e)) & set(axes.seq)
+                                    for e in spec)
 
 
 def refuse_unbound(eqn, why: str) -> None:

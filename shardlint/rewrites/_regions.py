@@ -101,7 +101,7 @@ def plan_regions(traces: Traces, axes: TokenAxes, *, seed_lines: frozenset = fro
 class _Planner:
     def __init__(self, axes, specs, doubly, capacity, seed_lines, per_shard_capacity, traces):
         self.grower = Grower(axes, specs, doubly, seed_lines, per_shard_capacity, capacity, traces.unbound)
-        self.unsure = traces.unsure
+        self.stand_ins, self.guessed = traces.stand_ins, traces.guessed
         self.binder = ShardBinder(traces.local.sizes, traces.local.literals, traces.local.folds)
 
     def level(self, jaxpr, consts, *, scrambled_in=None,
@@ -116,7 +116,7 @@ class _Planner:
         consumers = consumers_of(eqns)
         g = self.grower
         builders = Builders(jaxpr, consts, producer, g.scaled, built_in or {}, self.binder,
-                            positional_in, self.unsure)
+                            positional_in, self.stand_ins | self.guessed)
         region, scrambled, labels, counts = self.grower.region(
             eqns, producer, consumers, scrambled_in, stacked_in, leaves=builders.leaves())
         if region and not g.per_shard_capacity:
@@ -126,7 +126,7 @@ class _Planner:
                         _refusals.refuse_global_capacity(eqns[i], v)
         if region and not g.per_shard_capacity:
             _refusals.refuse_token_coupling(eqns, region, g.specs)
-        _refusals.refuse_unsure(eqns, region, self.unsure)
+        _refusals.refuse_unsure(eqns, region, self.stand_ins, self.guessed, g.specs, g.axes, g.unbound)
         groups = convex_groups(eqns, region)
         level = Level(jaxpr, consts, groups, {}, set(stacked_in), {})
         outvars = {v: k for k, v in enumerate(jaxpr.outvars) if not _jax.is_literal(v)}

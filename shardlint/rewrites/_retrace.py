@@ -21,8 +21,9 @@ results the shapes its out_specs give them on one shard, and an op that does not
 shard's shapes (a token-mixing matrix of the configured length, a kernel of fixed blocks)
 gives results of the shapes they are next met with.
 
-What the pass cannot tell, it says (`ShardShapes.unsure`), and the planner refuses a region
-that reads or makes it, naming the region's op:
+What the pass cannot tell, it says (`ShardShapes`), and the planner refuses a region that
+makes it, or reads it where the shard's block of the real value is not what it needs, naming
+the region's op:
 - stand-ins: a constant sliced to a shard's size, and the results of an op that does not
   bind per shard, have a shard's shape but not its content (a sliced mask is the first
   shard's), and so has what is computed from them and constants alone;
@@ -72,9 +73,10 @@ class ShardShapes:
     sizes: dict           # global Var -> the shape a value made from nothing is made at
     literals: dict        # (id(eqn), operand position) -> a capacity literal's per-shard value
     folds: dict           # global sizes of dimensions a reshape folds -> their sizes on one shard
-    # global Vars whose per-shard value has a shard's shape only (stand-ins, and what is
-    # computed from them and constants alone), or a guessed split
-    unsure: frozenset = frozenset()
+    # global Vars whose per-shard value has a shard's shape but not its content (stand-ins,
+    # and what is computed from them and constants alone)
+    stand_ins: frozenset = frozenset()
+    guessed: frozenset = frozenset()   # ... whose shape is a guessed split of the tokens
     # id(eqn) -> why it does not bind at one shard's shapes (JAX's words)
     unbound: dict = dataclasses.field(default_factory=dict)
 
@@ -172,7 +174,7 @@ def shard_shapes(closed, avals, divided: dict[str, int], *, capacity: bool = Fal
             continue
         stand_ins = _from_configuration(closed.jaxpr, graph.stand_ins)
         return ShardShapes(shape_pass.shapes, dict(graph.sizes), dict(literals), shape_pass.folds,
-                           stand_ins | frozenset(shape_pass.unsettled), dict(graph.opaque))
+                           stand_ins, frozenset(shape_pass.unsettled), dict(graph.opaque))
     raise Unfit(f"its values did not settle at one shard's shapes in {_ATTEMPTS} passes")
 
 

@@ -43,13 +43,15 @@ def mend(eqn, invals, known_first=lambda atom: True) -> dict:
 
 def elementwise(eqn) -> bool:
     """Results all of one shape, and operands of that shape, or scalars, or of size 1
-    where they broadcast (a sort's several results too)."""
+    where they broadcast (a sort's several results too); at least one operand of the
+    results' rank, from which they take their shape (not a random draw from its key)."""
     if not eqn.outvars or sub_of(eqn) is not None or eqn.primitive.name in _NOT_ELEMENTWISE:
         return False
     shape = eqn.outvars[0].aval.shape
+    operands = [a.aval.shape for a in eqn.invars if not _jax.is_literal(a)]
     return (all(v.aval.shape == shape for v in eqn.outvars)
-            and all(_jax.is_literal(a) or not a.aval.shape or fitted(a.aval.shape, shape, shape) is not None
-                    for a in eqn.invars))
+            and any(fitted(a, shape, shape) is not None for a in operands)
+            and all(not a or fitted(a, shape, shape) is not None for a in operands))
 
 
 def fitted(operand, result, target) -> tuple | None:

@@ -61,7 +61,7 @@ class JittedStep(abc.ABC):
 
     def lower(self, *args):
         with self._context():
-            return self._staged(args).lower(*args)
+            return _Lowered(self._staged(args).lower(*args), self._context)
 
     def eval_shape(self, *args):
         with self._context():
@@ -72,3 +72,20 @@ class JittedStep(abc.ABC):
     @property
     def __name__(self) -> str:
         return getattr(self.step, "__name__", "step")
+
+
+class _Lowered:
+    """A rewritten step's `jax.stages.Lowered`, compiled in the context the step is traced
+    and called in: JAX keys its compiled programs on the ambient mesh, so a caller that
+    compiles under its own `jax.set_mesh` (MaxText's loop) would otherwise compile the
+    step again at its first call."""
+
+    def __init__(self, lowered, context):
+        self._lowered, self._context = lowered, context
+
+    def compile(self, *args, **kwargs):
+        with self._context():
+            return self._lowered.compile(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._lowered, name)

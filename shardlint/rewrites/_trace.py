@@ -44,9 +44,14 @@ class Traces:
     jit_eqn: object | None        # a pre-jitted step's own jit equation
 
     @property
-    def unsure(self) -> frozenset:
-        """Global Vars whose per-shard value the passes cannot tell (`_retrace`)."""
-        return self.local.unsure | self.by_seq.unsure
+    def stand_ins(self) -> frozenset:
+        """Global Vars whose per-shard content the passes cannot tell (`_retrace`)."""
+        return self.local.stand_ins | self.by_seq.stand_ins
+
+    @property
+    def guessed(self) -> frozenset:
+        """Global Vars whose per-shard shape is a guess the passes could not settle."""
+        return self.local.guessed | self.by_seq.guessed
 
     @property
     def unbound(self) -> dict:
