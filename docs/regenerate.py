@@ -220,6 +220,13 @@ def maxtext_train() -> str:
     return fenced("\n".join([*(x for x in ran.stdout.splitlines() if x.startswith("shardlint: ")), "", *rows]))
 
 
+def rewrite_reach() -> str:
+    """The table of steps the rewrite reaches (`benchmarks/rewrite_reach.py`)."""
+    run = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "rewrite_reach.py")],
+                         env=_env(), capture_output=True, text=True, check=True)
+    return run.stdout
+
+
 BLOCKS: dict[str, Block] = {
     "demo": Block(demo),
     "model-findings": Block(model_findings),
@@ -230,6 +237,7 @@ BLOCKS: dict[str, Block] = {
     "xla-dump": Block(xla_dump),
     "api": Block(api),
     "schemas": Block(schemas),
+    "rewrite-reach": Block(rewrite_reach),
     "maxtext-moe": Block(maxtext_moe, needs="maxtext"),
     "maxtext-findings": Block(maxtext_findings, needs="maxtext"),
     "maxtext-rewritten": Block(maxtext_rewritten, needs="maxtext"),

@@ -31,6 +31,13 @@ class TokenAxes:
         return self.batch + self.seq
 
     @property
+    def minor(self) -> tuple[str, ...]:
+        """The axes that shard the minor part of flattened tokens: the sequence's, or the
+        batch's where only the batch is sharded. A reshape folding them with another
+        dimension puts tokens in per-shard order."""
+        return self.seq or self.batch
+
+    @property
     def x_spec(self) -> P:
         """The PartitionSpec of x_BSD these axes describe."""
         return P(self.batch or None, self.seq or None, None)

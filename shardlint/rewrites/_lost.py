@@ -3,16 +3,19 @@ from its findings into the tokens a rewrite shrinks per shard (their mesh axes a
 and the source lines of the lossy ops.
 
 A flatten of (batch, seq) before a grouped matmul says it first; where there is none, a
-routing op (top_k, sort, cumsum, scatter, ...) whose operand has the sequence sharded does.
+routing op (top_k, sort, cumsum, scatter, ...) whose operand has tokens sharded does: over
+batch and sequence, or over the batch alone.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
+import jax
+
 from .._errors import RewriteError
-from .._token_axes import TokenAxes
-from .._vocab import Cause
+from .._token_axes import TokenAxes, as_axes
+from .._vocab import ArgumentRole, Cause
 from ..internal import ROUTING_FINDING_OPS
 from ._trace import Tokens
 
@@ -46,8 +49,14 @@ def lost_in(step, args, progress, analysis=None, params_argnums=None) -> Lost:
     # reshape without that (attention's heads split off a score tensor) is no flatten.
     flattens = [t for f in lost if f.op == "reshape" and f.feeds_grouped_matmul and len(f.operand_spec) >= 2
                 for t in [_tokens_of(f)] if t.axes.seq]
-    routing = [t for f in lost if f.op in ROUTING_FINDING_OPS and len(f.operand_spec) >= 3
-               for t in [_tokens_of(f)] if t.axes.seq]
+    # A routing op on (batch, seq, ...): its first two dimensions' axes, the batch's alone
+    # where only the batch is sharded. On flattened tokens (a flatten that kept them sharded:
+    # the batch alone, or one batch row per device), the token dimension's axes, split into
+    # batch and sequence as the argument the tokens come from has them.
+    routing = [t for f in lost if f.op in ROUTING_FINDING_OPS
+               for t in [_tokens_of(f) if len(f.operand_spec) >= 3
+                         else _flat_tokens(f, args, analysis) if f.feeds_grouped_matmul else None]
+               if t is not None and t.axes.all]
     found = {t.axes: dataclasses.replace(t, roles=analysis.argument_roles)
              for t in reversed(flattens or routing)}   # the first finding's sizes
     if len(found) > 1:
@@ -62,3 +71,25 @@ def _tokens_of(finding) -> Tokens:
     dims = finding.operand_dims
     return Tokens(TokenAxes(tuple(finding.operand_spec[0]), tuple(finding.operand_spec[1]), "analysis"),
                   dims[0] if len(dims) > 1 else None, dims[1] if len(dims) > 1 else None)
+
+
+def _flat_tokens(finding, args, analysis) -> Tokens | None:
+    """Tokens flattened with their sharding kept: the axes of the lost operand's token
+    dimension, as the step's inputs shard their batch (first) and sequence (second)
+    dimensions, with those dimensions' sizes; None where no input is sharded so."""
+    if len(finding.operand_spec) != 2:
+        return None
+    lost = set(finding.operand_spec[0])
+    leaves = jax.tree_util.tree_leaves(args)
+    roles = analysis.argument_roles if len(analysis.argument_roles) == len(leaves) else ("",) * len(leaves)
+    for x, _ in sorted(zip(leaves, roles), key=lambda pair: pair[1] != ArgumentRole.INPUT):
+        spec = getattr(getattr(x, "sharding", None), "spec", None)
+        shape = getattr(x, "shape", ())
+        if spec is None or len(shape) < 2:
+            continue
+        entries = [as_axes(e) for e in tuple(spec) + (None,) * len(shape)]
+        batch = tuple(a for a in entries[0] if a in lost)
+        seq = tuple(a for a in entries[1] if a in lost)
+        if set(batch) | set(seq) == lost:
+            return Tokens(TokenAxes(batch, seq, "analysis"), shape[0], shape[1])
+    return None

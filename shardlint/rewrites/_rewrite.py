@@ -64,7 +64,7 @@ def rewrite(step: Callable, mesh, *, verify: bool | None = None, args: tuple | N
                            "computed from all tokens) or 'per-shard'")
     # Axes the caller names hold for every arguments; those the analysis finds, only for
     # the arguments it analyzed (others are analyzed when the step first meets them).
-    given = TokenAxes(tuple(batch_axes or ()), tuple(seq_axes)) if seq_axes else None
+    given = TokenAxes(tuple(batch_axes or ()), tuple(seq_axes or ())) if batch_axes or seq_axes else None
     lost = None
     if args is not None and (given is None or analysis is not None):
         lost = lost_in(step, args, progress, analysis, params_argnums)

@@ -73,9 +73,9 @@ class RewrittenStep(JittedStep):
         plan = plan_regions(traces, axes, seed_lines=lost.lines if lost else frozenset(),
                             per_shard_capacity=self.per_shard_capacity)
         if not plan.top.changed:
-            return self._unchanged("no routed region loses the sequence sharding: no reshape folds "
-                                   "it into tokens before a grouped matmul, and no routing op "
-                                   "feeding the experts is where the analysis found it lost")
+            return self._unchanged(f"no routed region loses the tokens' sharding over {', '.join(axes.all)}: "
+                                   "no reshape folds them before a grouped matmul, and no routing op "
+                                   "routing them to the experts is where the analysis found it lost")
         self.changed = True
         self.notes.append(f"rewrote {plan.top.count()} routed region(s) to run per shard over "
                           f"{', '.join(axes.all)}")

@@ -49,27 +49,29 @@ def _counts_out(eqn, counted_in: list[bool], specs) -> list[bool]:
 
 
 def merges_seq(eqn, specs, axes: TokenAxes) -> bool:
-    """A reshape folding a sequence-sharded dim together with another into one dim."""
+    """A reshape folding a sequence-sharded dim (batch-sharded, where only the batch is)
+    together with another into one dim."""
     if eqn.primitive.name != "reshape" or not eqn.invars or eqn.invars[0] not in specs:
         return False
     src = specs[eqn.invars[0]]
     shape_in, shape_out = eqn.invars[0].aval.shape, eqn.outvars[0].aval.shape
     for ins, outs in reshape_groups(shape_in, shape_out):
         if len(ins) > 1 and len(outs) == 1 and any(
-                set(axes.seq) & set(as_axes(src[d])) for d in ins if d < len(src)):
+                set(axes.minor) & set(as_axes(src[d])) for d in ins if d < len(src)):
             return True
     return False
 
 
 def splits_tokens(eqn, specs, axes: TokenAxes) -> bool:
-    """A reshape unfolding tokens back into separate (batch, seq) dims."""
+    """A reshape unfolding tokens back into separate (batch, seq) dims (back into a batch
+    dim, where only the batch is sharded)."""
     if eqn.primitive.name != "reshape" or eqn.outvars[0] not in specs:
         return False
     out = specs[eqn.outvars[0]]
     shape_in, shape_out = eqn.invars[0].aval.shape, eqn.outvars[0].aval.shape
     for ins, outs in reshape_groups(shape_in, shape_out):
         if len(ins) == 1 and len(outs) > 1 and any(
-                set(axes.seq) & set(as_axes(out[d])) for d in outs if d < len(out)):
+                set(axes.minor) & set(as_axes(out[d])) for d in outs if d < len(out)):
             return True
     return False
 

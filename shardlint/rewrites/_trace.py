@@ -143,6 +143,9 @@ def _carries_tokens(x, tokens: Tokens, mesh) -> bool:
     shape = tuple(getattr(x, "shape", ()))
     entries = [_real_axes(as_axes(e), mesh) for e in spec[:len(shape)]]
     batch, seq = _real_axes(tokens.axes.batch, mesh), _real_axes(tokens.axes.seq, mesh)
+    if not seq:   # only the batch sharded: a dimension of the batch's size over its axes
+        return bool(batch) and any(entry == batch and tokens.batch_size in (None, size)
+                                   for entry, size in zip(entries, shape))
     for j, (entry, size) in enumerate(zip(entries, shape)):
         if not seq or entry != seq or tokens.seq_size not in (None, size):
             continue

@@ -351,3 +351,27 @@ def make_configured_slice_step(mesh):
         return jnp.concatenate([out_TD, jnp.zeros_like(out_TD)]).reshape(b, s, d)
 
     return _loss_step(moe), (_moe_params(mesh), _batch(mesh))
+
+
+def make_select_after_experts_step(mesh, spec=P("data", "context", None)):
+    """Every expert on every token (a dense `[batch, seq, experts, emb]` pass), then each
+    token's top-k outputs selected by index and weighted: top_k over the router's logits
+    and the selection (a gather) are the routing, after the experts rather than before."""
+
+    def moe(params, x_BSD):
+        logits_BSE = jnp.einsum("bsd,de->bse", x_BSD, params["w_gate"])
+        weights_BSK, experts_BSK = jax.lax.top_k(logits_BSE, TOP_K)   # <- top_k after experts
+        weights_BSK = jax.nn.softmax(weights_BSK, axis=-1)
+        hidden_BSEF = jax.nn.silu(jnp.einsum("bsd,edf->bsef", x_BSD, params["w_in"]))
+        out_BSED = jnp.einsum("bsef,efd->bsed", hidden_BSEF, params["w_out"])
+        chosen_BSKD = jnp.take_along_axis(out_BSED, experts_BSK[..., None], axis=2)   # <- selection
+        return jnp.einsum("bskd,bsk->bsd", chosen_BSKD, weights_BSK)
+
+    return _loss_step(moe), (_moe_params(mesh), _batch(mesh, spec))
+
+
+def make_batch_only_step(mesh):
+    """The routed MoE (flatten, top_k, sort, grouped matmul) with only the batch sharded,
+    over `data`: the flatten keeps the sharding, top_k and the sort lose it."""
+    return _loss_step(lambda params, x_BSD: routed_moe(params, x_BSD, TOP_K)), (
+        _moe_params(mesh), _batch(mesh, P("data", None, None)))
