@@ -15,10 +15,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import tempfile
 from collections.abc import Iterable
 
 from .._errors import ShardlintError
+from .._files import write_text
 from ..analyzer import Analysis, Collective
 from ._keys import CollectiveKey
 
@@ -97,28 +97,11 @@ def write_baseline(baseline: Baseline, path: str) -> bool:
                 return False
     except (OSError, UnicodeDecodeError):
         pass
-    folder = os.path.dirname(os.path.abspath(path))
     try:
-        os.makedirs(folder, exist_ok=True)
-        mode = os.stat(path).st_mode & 0o777 if os.path.exists(path) else 0o644
-        fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        write_text(path, text)
     except OSError as e:
         raise BaselineError(f"cannot write baseline {path}: {e}") from e
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(text)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.chmod(tmp, mode)
-        os.replace(tmp, path)
-    except BaseException as e:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        if isinstance(e, OSError):
-            raise BaselineError(f"cannot write baseline {path}: {e}") from e
-        raise
     return True
 
 

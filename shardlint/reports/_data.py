@@ -21,6 +21,7 @@ import dataclasses
 import json
 from typing import Any
 
+from .._files import write_text
 from ..analyzer import Analysis
 from ..internal import MemoryScaling, memory_scaling
 from ._sweep import check_sweep
@@ -61,6 +62,4 @@ def _scaling(scaling: MemoryScaling | None) -> dict | None:
 
 def write_report_data(path: str, before: Analysis, after: Analysis | None,
                       sweep: dict[str, Any] | None = None) -> None:
-    with open(path, "w", encoding="utf-8") as fh:
-        json.dump(report_data(before, after, sweep), fh, indent=1)
-        fh.write("\n")
+    write_text(path, json.dumps(report_data(before, after, sweep), indent=1) + "\n")

@@ -27,6 +27,7 @@ import jinja2
 from markupsafe import Markup
 
 from .._errors import UsageError
+from .._files import write_text
 from .._format import human_bytes, source_text
 from ..analyzer import Analysis, Collective, Finding, Source, scope_tree
 from ..internal import normalize_op_path
@@ -323,8 +324,7 @@ def write_html(before: Analysis, after: Analysis | None = None, path: str = "sha
     """
     text = render_html(before, after, sweep=sweep, title=title, root=root, rewrite_note=rewrite_note)
     try:
-        with open(path, "w", encoding="utf-8") as fh:
-            fh.write(text)
+        write_text(path, text)
     except OSError as e:
         raise UsageError(f"cannot write the report to {path}: {e.strerror or e}") from e
     return path

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+from .._files import write_text
 from .._format import clip, human_bytes
 from .._vocab import FindingKind
 from ..analyzer import Analysis, scope_tree
@@ -148,9 +149,8 @@ def _traffic(t) -> str:
 
 
 def write_json(analysis: Analysis, path: str) -> None:
-    with open(path, "w") as fh:
-        json.dump(analysis.to_json(), fh, indent=2)
-        fh.write("\n")
+    """The analysis (`shardlint.analysis/3`) as a file, written whole or not at all."""
+    write_text(path, json.dumps(analysis.to_json(), indent=2) + "\n")
 
 
 def format_sweep(sweep: dict, title: str = "") -> str:
