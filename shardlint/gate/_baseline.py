@@ -105,6 +105,25 @@ def write_baseline(baseline: Baseline, path: str) -> bool:
     return True
 
 
+# json's messages for the mistakes a hand edit makes, in words ("Invalid control character
+# at" is json's text before it appends the position).
+_JSON_PROBLEMS = {
+    "Invalid control character at": "a control character (a raw tab or line break) inside a string",
+    "Unterminated string starting at": "a string that is never closed",
+    "Expecting value": "a value is missing",
+    "Extra data": "text after the end of the document",
+    "Invalid \\escape": "a backslash escape JSON does not know",
+}
+
+
+def _json_problem(message: str) -> str:
+    known = _JSON_PROBLEMS.get(message)
+    if known:
+        return known
+    message = message.removesuffix(" at")
+    return message[:1].lower() + message[1:]
+
+
 def read_baseline(path: str, how_to_create: str = "shardlint check TARGET --mesh ... --update") -> Baseline:
     """Reads and validates a baseline; every problem is a BaselineError naming the way out."""
     fix = f"create it with `{how_to_create}`"
@@ -118,8 +137,8 @@ def read_baseline(path: str, how_to_create: str = "shardlint check TARGET --mesh
     try:
         doc = json.loads(text)
     except json.JSONDecodeError as e:
-        raise BaselineError(f"baseline {path} is not valid JSON (line {e.lineno}, column "
-                            f"{e.colno}: {e.msg}); re-{fix}") from None
+        raise BaselineError(f"baseline {path} is not valid JSON: {_json_problem(e.msg)} at line "
+                            f"{e.lineno}, column {e.colno}; re-{fix}") from None
     schema = doc.get("schema") if isinstance(doc, dict) else None
     if schema != SCHEMA:
         older = isinstance(schema, str) and schema.startswith("shardlint.baseline/")
