@@ -2,13 +2,14 @@
 `shardlint.commands` (`_load`: the step or dump it runs on; `_run`: the commands).
 
 Exit codes: 0 clean, 1 findings (or gate failed), 2 usage or input error (one line on
-stderr, no traceback).
+stderr, no traceback unless `--traceback`).
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import traceback
 
 from ._errors import ShardlintError
 
@@ -54,11 +55,21 @@ def _add_topology(p: argparse.ArgumentParser) -> None:
                         "v5e 16, v5p 95, v6e 32)")
 
 
+def _common() -> argparse.ArgumentParser:
+    """The options every command takes."""
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument("--traceback", action="store_true",
+                   help="after an error's one line, print the whole Python traceback (the "
+                        "error your code or JAX raised, and where)")
+    return p
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="shardlint", description="Find where XLA loses the sharding of a JAX step.")
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("analyze", help="analyze a step: findings, collectives, memory")
+    common = _common()
+    p = sub.add_parser("analyze", parents=[common], help="analyze a step: findings, collectives, memory")
     _add_target(p)
     p.add_argument("--json", metavar="FILE", help="write the analysis (shardlint.analysis/3)")
     p.add_argument("--by-scope", action="store_true",
@@ -69,7 +80,7 @@ def _parser() -> argparse.ArgumentParser:
     _add_sweep(p)
     _add_rewrite_options(p)
     _add_topology(p)
-    p = sub.add_parser("report", help="write one self-contained HTML report: findings, "
+    p = sub.add_parser("report", parents=[common], help="write one self-contained HTML report: findings, "
                                       "collectives and memory, before and after the rewrite")
     _add_target(p)
     p.add_argument("--out", metavar="FILE", default="shardlint-report.html",
@@ -82,11 +93,11 @@ def _parser() -> argparse.ArgumentParser:
                         "before and after, and the sweep's memory with the lines that hold it")
     _add_sweep(p)
     _add_topology(p)
-    p = sub.add_parser("demo", help="run the whole story on the built-in example: analyze, "
+    p = sub.add_parser("demo", parents=[common], help="run the whole story on the built-in example: analyze, "
                                     "rewrite, analyze again, write a report")
     p.add_argument("--out", metavar="DIR", default="shardlint-demo",
                    help="folder for report.html and the JSON analyses (default: ./shardlint-demo)")
-    p = sub.add_parser("check", help="fail (exit 1) when the step gains an all-gather that "
+    p = sub.add_parser("check", parents=[common], help="fail (exit 1) when the step gains an all-gather that "
                                      "the baseline lacks; --update records the baseline")
     _add_target(p)
     p.add_argument("--baseline", metavar="FILE", default="shardlint.baseline.json",  # gate.DEFAULT_BASELINE
@@ -173,7 +184,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return _commands()[args.command](args)
     except ShardlintError as e:
-        print(f"shardlint: error: {e}", file=sys.stderr)
+        raised_elsewhere = e.__cause__ is not None and not isinstance(e.__cause__, ShardlintError)
+        hint = " (--traceback shows the whole traceback)" if raised_elsewhere and not args.traceback else ""
+        print(f"shardlint: error: {e}{hint}", file=sys.stderr)
+        if args.traceback:
+            traceback.print_exception(e, file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("shardlint: interrupted", file=sys.stderr)

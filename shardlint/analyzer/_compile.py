@@ -25,11 +25,12 @@ import jax
 from jax.sharding import NamedSharding
 
 from .. import _jax
-from .._errors import AnalysisError
+from .._errors import AnalysisError, first_line
 from ._devices import MeshInfo
 from ._dump import PROPAGATION_PASSES, DumpedModule, read_dump
 from ._jaxpr import grouped_matmul_sources
 from ._model import Memory
+from ._stack import user_line
 from ._stablehlo import Asked, asked_for
 from ._topology import check_libtpu, topology_of
 from ._xla_log import Remat, captured_stderr, involuntary_rematerializations
@@ -92,7 +93,8 @@ def compile_step(fn: Callable, args: tuple, mesh=None, progress=None,
                 lowered = traced.lower()
                 asked = asked_for(lowered.compiler_ir("stablehlo"))
             except Exception as e:  # the user's code raised while tracing
-                raise AnalysisError(f"tracing the step failed: {type(e).__name__}: {e}") from e
+                raise AnalysisError(f"tracing the step failed{user_line(e)}: {type(e).__name__}: "
+                                    f"{first_line(e)}") from e
             if progress:
                 progress(f"compiling for {info.num_devices} devices on mesh {info.as_dict()}"
                          + (f" with the TPU compiler for {topology}" if topology else ""))

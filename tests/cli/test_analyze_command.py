@@ -179,6 +179,51 @@ def test_unwritable_outputs_fail_first_in_one_line(argv, what, capsys, tmp_path)
     assert len(err) == 1 and err[0].startswith(f"shardlint: error: cannot write {what} to ")
 
 
+USER_ERRORS = textwrap.dedent("""
+    from shardlint.examples import steps
+
+    def layer(params, x):
+        return x @ params["w_out"]   # <- wrong contraction
+
+    def make_step(mesh):
+        _, args = steps.make_step(mesh)
+        return (lambda params, x: layer(params, x).sum()), args
+
+    def make_broken(mesh):
+        config = {}
+        return config["layers"]   # <- missing key
+""")
+
+
+def test_an_error_in_the_users_code_names_its_line_and_traceback_shows_all(tmp_path, capsys):
+    path = tmp_path / "user_errors.py"
+    path.write_text(USER_ERRORS)
+    lines = USER_ERRORS.splitlines()
+    wrong = next(i for i, line in enumerate(lines, 1) if "# <- wrong" in line)
+    missing = next(i for i, line in enumerate(lines, 1) if "# <- missing" in line)
+    mesh = ["--mesh", "data=2,context=4"]
+    assert main(["analyze", f"{path}:make_step", *mesh]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    # the file as findings show it: relative to the folder the target's file put on sys.path
+    assert err[-1].startswith(f"shardlint: error: tracing the step failed at user_errors.py:{wrong} in layer "
+                              f"(return x @ params[\"w_out\"] # <- wrong contraction): TypeError: dot_general")
+    assert err[-1].endswith("(--traceback shows the whole traceback)")
+    assert not any("Traceback (most recent call last)" in line for line in err)
+    assert main(["analyze", f"{path}:make_broken", *mesh]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith(f"shardlint: error: target '{path}:make_broken' raised KeyError at "
+                              f"user_errors.py:{missing} in make_broken (return config[\"layers\"] # <- missing key): 'layers'")
+
+    assert main(["analyze", f"{path}:make_step", *mesh, "--traceback"]) == 2
+    err = capsys.readouterr().err
+    first = err.strip().splitlines()
+    assert any(line.startswith("shardlint: error: tracing the step failed at") and "--traceback" not in line
+               for line in first)
+    assert "Traceback (most recent call last)" in err
+    assert f'File "{path}", line {wrong}, in layer' in err   # the user's frame in the traceback
+    assert "TypeError: dot_general requires contracting dimensions" in err
+
+
 def test_target_returning_the_wrong_shape_says_what_it_got(tmp_path, capsys):
     (tmp_path / "shapes.py").write_text(textwrap.dedent("""
         from shardlint.examples import steps
