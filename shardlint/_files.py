@@ -1,17 +1,20 @@
 """How shardlint writes its outputs (reports, JSON documents, baselines): whole or not at
-all. One leaf module, used by the reports and the gate alike (it imports nothing of
-shardlint's).
+all. A leaf module, used by the reports and the gate alike (it imports only the leaf
+`_interrupt`).
 
 A file is written into a temporary file beside it and renamed over it, so Ctrl-C, a full
 disk or a crash never leaves half a report where a whole one is expected; the temporary
-file goes away with the failure. A path that is not a regular file (`/dev/stdout`, a
-pipe) is written as it is: there is nothing to rename over.
+file goes away with the failure (and on Ctrl-C, `shardlint._interrupt`). A path that is
+not a regular file (`/dev/stdout`, a pipe) is written as it is: there is nothing to rename
+over.
 """
 
 from __future__ import annotations
 
 import os
 import tempfile
+
+from ._interrupt import removed_on_interrupt
 
 
 def write_text(path: str, text: str) -> None:
@@ -27,12 +30,12 @@ def write_text(path: str, text: str) -> None:
         _write_in_place(path, text)
         return
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+        with removed_on_interrupt(tmp), os.fdopen(fd, "w", encoding="utf-8") as fh:
             fh.write(text)
             fh.flush()
             os.fsync(fh.fileno())
-        os.chmod(tmp, mode)
-        os.replace(tmp, path)
+            os.chmod(tmp, mode)
+            os.replace(tmp, path)
     except BaseException:
         try:
             os.unlink(tmp)

@@ -2,7 +2,7 @@
 `shardlint.commands` (`_load`: the step or dump it runs on; `_run`: the commands).
 
 Exit codes: 0 clean, 1 findings (or gate failed), 2 usage or input error (one line on
-stderr, no traceback unless `--traceback`).
+stderr, no traceback unless `--traceback`), 130 interrupted (Ctrl-C).
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import argparse
 import sys
 import traceback
 
+from . import _interrupt
 from ._errors import ShardlintError
 
 
@@ -176,6 +177,8 @@ def _commands():
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Runs one command; returns its exit code (130 after Ctrl-C, once what the run had
+    created is removed)."""
     parser = _parser()
     try:
         args = parser.parse_args(_negative_values_attached(sys.argv[1:] if argv is None else list(argv)))
@@ -191,9 +194,19 @@ def main(argv: list[str] | None = None) -> int:
             traceback.print_exception(e, file=sys.stderr)
         return 2
     except KeyboardInterrupt:
+        _interrupt.remove_registered()
         print("shardlint: interrupted", file=sys.stderr)
-        return 130
+        return _interrupt.INTERRUPTED
+    finally:
+        _interrupt.forget_all()
+
+
+def run() -> None:
+    """The console script and `python -m shardlint`: `main` on the process's arguments, then
+    exit with its code. Ctrl-C ends the process at once, wherever it is (`shardlint._interrupt`)."""
+    _interrupt.exit_on_sigint()
+    sys.exit(main())
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

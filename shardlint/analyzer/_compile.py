@@ -24,7 +24,7 @@ from typing import Any, Callable
 import jax
 from jax.sharding import NamedSharding
 
-from .. import _jax
+from .. import _interrupt, _jax
 from .._errors import AnalysisError, first_line
 from ._devices import MeshInfo
 from ._dump import PROPAGATION_PASSES, DumpedModule, read_dump
@@ -86,6 +86,7 @@ def compile_step(fn: Callable, args: tuple, mesh=None, progress=None,
     if topology is not None:
         check_libtpu()  # a mismatched libtpu fails inside the compiler with a RET_CHECK
     dump_dir = tempfile.mkdtemp(prefix="shardlint-")
+    _interrupt.register(dump_dir, "tree")   # XLA may still write into it after Ctrl-C
     try:
         with _jax.set_mesh(mesh):
             try:
@@ -106,6 +107,7 @@ def compile_step(fn: Callable, args: tuple, mesh=None, progress=None,
         dumped = read_dump(dump_dir, compiled_only=True)
     finally:
         shutil.rmtree(dump_dir, ignore_errors=True)
+        _interrupt.forget(dump_dir)
     kept = _kept_leaves(traced, lowered)
     if dumped.propagated is None and info.num_devices > 1:
         raise AnalysisError(

@@ -261,14 +261,14 @@ def sweep_view(sweep: dict[str, Any]) -> dict[str, Any]:
     scaling_before, scaling_after = sweep_scalings(sweep)
     series = {"before": [(p["value"], p["before"].memory.temp_bytes) for p in points]}
     ideals = {"before": list(zip(scaling_before.values, scaling_before.ideal))}
-    if any(p["after"] is not None for p in points):
+    if any(p["after"] is not None or p["refused"] for p in points):
         series["after"] = [(p["value"], p["after"].memory.temp_bytes if p["after"] else None)
                            for p in points]
         if scaling_after is not None:
             ideals["after"] = list(zip(scaling_after.values, scaling_after.ideal))
     ideal = {name: dict(pts) for name, pts in ideals.items()}
     rows = [{"value": p["value"], "mesh": p["before"].mesh, "before": p["before"], "after": p["after"],
-             "ideal_before": ideal["before"].get(p["value"]),
+             "refused": p["refused"], "ideal_before": ideal["before"].get(p["value"]),
              "ideal_after": ideal.get("after", {}).get(p["value"])} for p in points]
     has_peak = any(a is not None and a.memory.peak_bytes is not None
                    for p in points for a in (p["before"], p["after"]))

@@ -209,3 +209,28 @@ def test_merged_collectives_show_a_short_shape_with_the_whole_one_in_the_title(p
         assert cells[c.shape] == f"{parts[0]}, {parts[1]}, … ({len(parts)} arrays)"
     assert shape_text("f32[4,64,16]") == "f32[4,64,16]"
     assert shape_text("f32[2], s32[4], f32[]") == "f32[2], s32[4], f32[]"
+
+
+def test_a_refused_sweep_point_is_marked_with_its_reason(pair, sweep, parse):
+    from shardlint.reports import format_sweep
+    from shardlint.reports._data import report_data
+
+    points = [dict(p) for p in sweep["points"]]
+    why = "float32[256,2,4,128] has a second dimension that grows with the number of tokens"
+    points[1] = {**points[1], "after": None, "refused": why}
+    refused = {"axis": sweep["axis"], "points": points}
+    page = parse(render_html(*pair, sweep=refused, root=ROOT))
+    value = points[1]["value"]
+    cell = page.find("tr", data_sweep_value=str(value)).find("td", data_series="after")
+    assert cell.text() == "refused" and cell.attrs["title"] == why
+    note = page.find("p", data_refused_at=str(value))
+    assert note.text() == f"The rewrite was refused at context={value}: {why}"
+    doc = report_data(*pair, refused)
+    assert [p["refused"] for p in doc["sweep"]["points"]] == [None, why, None]
+    assert doc["sweep"]["points"][1]["after"] is None
+    embedded = json.loads(page.find("script", id="shardlint-analysis").text())
+    assert [p["refused"] for p in embedded["sweep"]["points"]] == [None, why, None]
+    text = format_sweep(refused, title="t")
+    row = next(line for line in text.splitlines() if line.strip().startswith(f"{value} "))
+    assert row.split()[-2:] == ["refused", "-"]
+    assert f"the rewrite was refused at context={value}: {why}" in text
