@@ -297,8 +297,10 @@ def render_html(before: Analysis, after: Analysis | None = None, *, sweep: dict[
     doc = {"schema": REPORT_SCHEMA, "title": title, "before": before.to_json(),
            "after": after.to_json() if after else None,
            "sweep": sweep_summary(sweep) if sweep else None}
+    figures = headline(before, after)
     return _environment().get_template("report.html").render(
-        title=title, before=before, after=after, headline=headline(before, after), rewrite_note=rewrite_note,
+        title=title, before=before, after=after, headline=figures, rewrite_note=rewrite_note,
+        figures={h["name"]: h for h in figures},
         scopes=scope_tree(before), after_scopes=scope_tree(after) if after else None,
         verdict=verdict(before, after), memory=memory_rows(before, after),
         peaks=[(label, a, peak_view(a)) for label, a in (("before", before), ("after", after)) if a is not None],

@@ -211,6 +211,51 @@ def test_merged_collectives_show_a_short_shape_with_the_whole_one_in_the_title(p
     assert shape_text("f32[2], s32[4], f32[]") == "f32[2], s32[4], f32[]"
 
 
+def _count_text(element) -> str:
+    return "".join(element.text().split())
+
+
+def test_the_nav_counts_are_the_cards_figures(page, pair, parse):
+    before, after = pair
+    for figure, of in (("findings", lambda a: len(a.findings)), ("collectives", lambda a: len(a.collectives))):
+        nav = _count_text(page.find("nav").find(data_figure=f"nav-{figure}"))
+        card = _count_text(page.find(**{"class": "card", "data-figure": figure}).find(**{"class": "values"}))
+        assert nav == card == f"{of(before)}→{of(after)}"
+    single = parse(render_html(before, root=ROOT))
+    assert _count_text(single.find("nav").find(data_figure="nav-collectives")) == str(len(before.collectives))
+
+
+def test_the_free_at_the_peak_column_is_explained_beside_it(page):
+    for table in page.find_all("table", **{"class": "grid peak-table"}):
+        header = next(th for th in table.find_all("th") if th.text() == "free at the peak")
+        assert "no buffer holds at the peak" in header.attrs["title"]
+    explained = page.find(data_explains="free at the peak").text()
+    assert explained.startswith("Free at the peak: of a line's bytes, those no buffer holds at the peak.")
+
+
+def test_padding_is_worded_for_the_platform_that_compiled(page_text, pair):
+    from shardlint.analyzer._peak import _PADDING_WHY
+
+    before, _ = pair
+    padding = [b for b in before.memory.peak_buffers if b.op == "padding"]
+    assert before.platform == "cpu" and padding   # XLA:CPU aligns its buffers too
+    assert all("XLA:CPU places each buffer at a 64-byte-aligned offset" in b.op_path for b in padding)
+    assert "TPU compiler" not in page_text
+    assert "TPU compiler" in _PADDING_WHY["tpu"]
+
+
+def test_graph_labels_are_shown_whole(page, pair):
+    before, _ = pair
+    nodes = {n.id: n for f in before.findings for n in f.neighbourhood.nodes}
+    drawn = page.find_all("g", data_node=True)
+    assert drawn
+    for g in drawn:
+        node = nodes[g.attrs["data-node"]]
+        shown = "".join(t.text() for t in g.find_all("text"))
+        assert "…" not in shown
+        assert "".join(shown.split()) == "".join(f"{node.op}{node.id}{node.shape}".split())
+
+
 def test_a_refused_sweep_point_is_marked_with_its_reason(pair, sweep, parse):
     from shardlint.reports import format_sweep
     from shardlint.reports._data import report_data
