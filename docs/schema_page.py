@@ -221,7 +221,8 @@ def _documents() -> list[tuple[str, str, list[dict]]]:
                 return json.load(fh)
 
     points = [{"value": v, "before": analysis, "after": a} for v, a in ((1, analysis), (2, analysis))]
-    bare = [{"value": v, "before": analysis, "after": None} for v in (1, 2)]
+    bare = [{"value": 1, "before": analysis, "after": None},
+            {"value": 2, "before": analysis, "after": None, "refused": "why the rewrite was refused"}]
     return [
         (analyzer.SCHEMA, "`analyze --json`, `Analysis.to_json()`", [_as_json(analysis.to_json())]),
         (reports.REPORT_DATA_SCHEMA, "`report --json`, `analyze --sweep --json`",
