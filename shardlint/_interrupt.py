@@ -3,7 +3,8 @@
 A KeyboardInterrupt cannot be relied on to unwind the run: SIGINT lands wherever Python
 happens to be, and where that is a gc callback (JAX registers one) Python prints
 "Exception ignored" and the run goes on as if nothing was pressed; where it is a `finally`
-block, the cleanup there stops halfway. And after a KeyboardInterrupt raised mid-compile,
+block, the cleanup there stops halfway (one interrupt late in a compile left the compile's
+temporary dump folder behind). And after a KeyboardInterrupt raised mid-compile,
 XLA's compile threads are still running when the interpreter finalizes, which crashes
 (SIGSEGV, exit 139). So the command-line process handles SIGINT itself (`exit_on_sigint`):
 it says so on the stderr it started with (a compile may have pointed file descriptor 2

@@ -1,7 +1,7 @@
 """`shardlint analyze`, `report`, `check` and `demo`: each takes the parsed command line
 and returns the exit code (0 clean, 1 findings or a failed gate); a user's mistake is a
-`UsageError`, one line. Each names the files it writes first (`_outputs.Outputs`: refused
-before any work if the OS will not take them, removed again on Ctrl-C)."""
+`UsageError`, one line. Each names the files it writes first (`_outputs`: refused before
+any work if the OS will not take them, removed again on Ctrl-C)."""
 
 from __future__ import annotations
 
