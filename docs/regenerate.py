@@ -110,6 +110,18 @@ def peak_buffers() -> str:
     return fenced("\n".join(lines[start:start + 5] + ["     ..."]))
 
 
+def model_sweep() -> str:
+    """The README's model swept over the context degree, before and after the rewrite."""
+    out, _, _ = shardlint("analyze", "model.py:make_step", "--mesh", MESH, "--sweep", "context=1,2,4,8",
+                          "--rewrite", files=model_files())
+    return fenced(out)
+
+
+def report_summary() -> str:
+    out, _, _ = shardlint("report", "model.py:make_step", "--mesh", MESH, files=model_files())
+    return fenced(out)
+
+
 def baseline() -> str:
     _, _, folder = shardlint("check", "model.py:make_step", "--mesh", MESH, "--update", files=model_files())
     with open(os.path.join(folder, "shardlint.baseline.json"), encoding="utf-8") as fh:
@@ -233,6 +245,8 @@ BLOCKS: dict[str, Block] = {
     "analyze-steps": Block(analyze_steps),
     "by-scope": Block(by_scope),
     "peak-buffers": Block(peak_buffers),
+    "model-sweep": Block(model_sweep),
+    "report-summary": Block(report_summary),
     "baseline": Block(baseline),
     "xla-dump": Block(xla_dump),
     "api": Block(api),

@@ -1,7 +1,5 @@
 """`python -m shardlint ...`: the same as the `shardlint` console script."""
 
-import sys
+from .cli import run
 
-from .cli import main
-
-sys.exit(main())
+run()

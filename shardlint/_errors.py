@@ -4,7 +4,10 @@ the CLI turns them into one line and exit code 2."""
 from __future__ import annotations
 
 import sys
+import traceback
 from typing import Callable
+
+from . import _interrupt
 
 
 class ShardlintError(Exception):
@@ -54,14 +57,22 @@ def first_line(error: BaseException) -> str:
     return text.splitlines()[0].rstrip(".") if text else ""
 
 
-def exit_code(command: Callable[[], int]) -> int:
+def exit_code(command: Callable[[], int], *, show_traceback: bool = False) -> int:
     """What a command line returns: `command()`'s exit code; 2 after one line on stderr for
-    a ShardlintError (never a traceback); 130 on Ctrl-C."""
+    a ShardlintError (never a traceback, unless `show_traceback`: then the whole of it after
+    the line); 130 on Ctrl-C, after removing what the run registered (`_interrupt`)."""
     try:
         return command()
     except ShardlintError as e:
-        print(f"shardlint: error: {e}", file=sys.stderr)
+        raised_elsewhere = e.__cause__ is not None and not isinstance(e.__cause__, ShardlintError)
+        hint = " (--traceback shows the whole traceback)" if raised_elsewhere and not show_traceback else ""
+        print(f"shardlint: error: {e}{hint}", file=sys.stderr)
+        if show_traceback:
+            traceback.print_exception(e, file=sys.stderr)
         return 2
     except KeyboardInterrupt:
+        _interrupt.remove_registered()
         print("shardlint: interrupted", file=sys.stderr)
-        return 130
+        return _interrupt.INTERRUPTED
+    finally:
+        _interrupt.forget_all()

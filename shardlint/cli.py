@@ -2,7 +2,7 @@
 `shardlint.commands` (`_load`: the step or dump it runs on; `_run`: the commands).
 
 Exit codes: 0 clean, 1 findings (or gate failed), 2 usage or input error (one line on
-stderr, no traceback).
+stderr, no traceback unless `--traceback`), 130 interrupted (Ctrl-C).
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from . import _interrupt
 from ._errors import exit_code
 
 
@@ -54,11 +55,21 @@ def _add_topology(p: argparse.ArgumentParser) -> None:
                         "v5e 16, v5p 95, v6e 32)")
 
 
+def _common() -> argparse.ArgumentParser:
+    """The options every command takes."""
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument("--traceback", action="store_true",
+                   help="after an error's one line, print the whole Python traceback (the "
+                        "error your code or JAX raised, and where)")
+    return p
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="shardlint", description="Find where XLA loses the sharding of a JAX step.")
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("analyze", help="analyze a step: findings, collectives, memory")
+    common = _common()
+    p = sub.add_parser("analyze", parents=[common], help="analyze a step: findings, collectives, memory")
     _add_target(p)
     p.add_argument("--json", metavar="FILE", help="write the analysis (shardlint.analysis/3)")
     p.add_argument("--by-scope", action="store_true",
@@ -69,7 +80,7 @@ def _parser() -> argparse.ArgumentParser:
     _add_sweep(p)
     _add_rewrite_options(p)
     _add_topology(p)
-    p = sub.add_parser("report", help="write one self-contained HTML report: findings, "
+    p = sub.add_parser("report", parents=[common], help="write one self-contained HTML report: findings, "
                                       "collectives and memory, before and after the rewrite")
     _add_target(p)
     p.add_argument("--out", metavar="FILE", default="shardlint-report.html",
@@ -82,11 +93,11 @@ def _parser() -> argparse.ArgumentParser:
                         "before and after, and the sweep's memory with the lines that hold it")
     _add_sweep(p)
     _add_topology(p)
-    p = sub.add_parser("demo", help="run the whole story on the built-in example: analyze, "
+    p = sub.add_parser("demo", parents=[common], help="run the whole story on the built-in example: analyze, "
                                     "rewrite, analyze again, write a report")
     p.add_argument("--out", metavar="DIR", default="shardlint-demo",
                    help="folder for report.html and the JSON analyses (default: ./shardlint-demo)")
-    p = sub.add_parser("check", help="fail (exit 1) when the step gains an all-gather that "
+    p = sub.add_parser("check", parents=[common], help="fail (exit 1) when the step gains an all-gather that "
                                      "the baseline lacks; --update records the baseline")
     _add_target(p)
     p.add_argument("--baseline", metavar="FILE", default="shardlint.baseline.json",  # gate.DEFAULT_BASELINE
@@ -165,13 +176,22 @@ def _commands():
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Runs one command; returns its exit code (130 after Ctrl-C, once what the run had
+    created is removed)."""
     parser = _parser()
     try:
         args = parser.parse_args(_negative_values_attached(sys.argv[1:] if argv is None else list(argv)))
     except SystemExit as e:  # argparse already printed one line of usage
         return int(e.code or 0)
-    return exit_code(lambda: _commands()[args.command](args))
+    return exit_code(lambda: _commands()[args.command](args), show_traceback=args.traceback)
+
+
+def run() -> None:
+    """The console script and `python -m shardlint`: `main` on the process's arguments, then
+    exit with its code. Ctrl-C ends the process at once, wherever it is (`shardlint._interrupt`)."""
+    _interrupt.exit_on_sigint()
+    sys.exit(main())
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

@@ -18,6 +18,7 @@ _LENT = {
     "display_path": "shardlint.analyzer._stack",
     "is_jax_shim": "shardlint.analyzer._stack",
     "is_library_file": "shardlint.analyzer._stack",
+    "user_line": "shardlint.analyzer._stack",
     "helper_frames": "shardlint.analyzer._frames",
     "shown_frames": "shardlint.analyzer._frames",
     "frames_text": "shardlint.analyzer._frames",

@@ -106,7 +106,7 @@ def _explain(compiled: Compiled, versions: dict[str, str], progress) -> Analysis
         memory = dataclasses.replace(memory, peak_buffers=peak_buffers(
             parse_buffer_assignment(dumped.buffer_assignment, f"{where}'s buffer assignment"),
             parse_live_range(dumped.live_range, f"{where}'s live ranges"), partitioned, collectives,
-            memory.temp_bytes))
+            memory.temp_bytes, platform=compiled.platform))
     roles = [ArgumentRole.UNUSED] * compiled.argument_leaves
     for number, leaf in enumerate(compiled.kept_leaves):
         roles[leaf] = ArgumentRole.WEIGHT if flow.is_weight_parameter(number) else ArgumentRole.INPUT

@@ -24,12 +24,13 @@ from typing import Any, Callable
 import jax
 from jax.sharding import NamedSharding
 
-from .. import _jax
-from .._errors import AnalysisError
+from .. import _interrupt, _jax
+from .._errors import AnalysisError, first_line
 from ._devices import MeshInfo
 from ._dump import PROPAGATION_PASSES, DumpedModule, read_dump
 from ._jaxpr import grouped_matmul_sources
 from ._model import Memory
+from ._stack import user_line
 from ._stablehlo import Asked, asked_for
 from ._topology import check_libtpu, topology_of
 from ._xla_log import Remat, captured_stderr, involuntary_rematerializations
@@ -85,6 +86,7 @@ def compile_step(fn: Callable, args: tuple, mesh=None, progress=None,
     if topology is not None:
         check_libtpu()  # a mismatched libtpu fails inside the compiler with a RET_CHECK
     dump_dir = tempfile.mkdtemp(prefix="shardlint-")
+    _interrupt.register(dump_dir, "tree")   # XLA may still write into it after Ctrl-C
     try:
         with _jax.set_mesh(mesh):
             try:
@@ -92,7 +94,8 @@ def compile_step(fn: Callable, args: tuple, mesh=None, progress=None,
                 lowered = traced.lower()
                 asked = asked_for(lowered.compiler_ir("stablehlo"))
             except Exception as e:  # the user's code raised while tracing
-                raise AnalysisError(f"tracing the step failed: {type(e).__name__}: {e}") from e
+                raise AnalysisError(f"tracing the step failed{user_line(e)}: {type(e).__name__}: "
+                                    f"{first_line(e)}") from e
             if progress:
                 progress(f"compiling for {info.num_devices} devices on mesh {info.as_dict()}"
                          + (f" with the TPU compiler for {topology}" if topology else ""))
@@ -104,6 +107,7 @@ def compile_step(fn: Callable, args: tuple, mesh=None, progress=None,
         dumped = read_dump(dump_dir, compiled_only=True)
     finally:
         shutil.rmtree(dump_dir, ignore_errors=True)
+        _interrupt.forget(dump_dir)
     kept = _kept_leaves(traced, lowered)
     if dumped.propagated is None and info.num_devices > 1:
         raise AnalysisError(

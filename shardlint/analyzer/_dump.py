@@ -141,9 +141,15 @@ def read_dump(folder: str, module: str | None = None, *, compiled_only: bool = F
 
 
 def _candidates(folder: str) -> list[_Candidate]:
+    if os.path.isfile(folder):
+        raise AnalysisError(f"{folder} is a file; give the folder XLA dumped into "
+                            f"(XLA_FLAGS=\"--xla_dump_to=DIR ...\"), e.g. --xla-dump DIR")
     if not os.path.isdir(folder):
         raise AnalysisError(f"the XLA dump folder {folder} does not exist")
     files = os.listdir(folder)
+    if not files:
+        raise AnalysisError(f"the XLA dump folder {folder} is empty; write one with "
+                            f"XLA_FLAGS=\"{DUMP_FLAGS}\"")
     found = []
     for f in files:
         m = _STEM_RE.match(f)

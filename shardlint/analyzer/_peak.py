@@ -7,9 +7,9 @@ is larger than what is alive at the peak by the bytes its packing leaves free th
 bytes are kept for buffers alive at other times, and each free byte is counted once, for
 the largest buffer that occupies it at another time (`alive` False). So the temp buffers
 account for every byte of the temp allocation that any buffer uses, each once. Two entries
-name the rest: `padding`, bytes of the allocation no buffer uses (the TPU compiler places
-small tuple buffers at aligned offsets), and `runtime`, temp the executable counts beyond
-its buffer assignment (a TPU executable's 1 MiB HBM logging buffer).
+name the rest: `padding`, bytes of the allocation no buffer uses (buffers start at aligned
+offsets, so small tuple buffers leave gaps; worded per platform), and `runtime`, temp the
+executable counts beyond its buffer assignment (a TPU executable's 1 MiB HBM logging buffer).
 
 Each buffer is named by the instruction that made it (its user's line and stack, its op
 path, forward or backward), and, where it holds a collective's result or a value computed
@@ -41,15 +41,22 @@ _THROUGH = {"get-tuple-element", "bitcast", "copy", "reshape", "transpose", "con
             "all-gather-done", "all-to-all-done", "collective-permute-done", "async-done",
             "copy-start", "copy-done", "dynamic-slice", "slice"}
 _HOPS = 2
+# Why the temp allocation has bytes no buffer uses, per platform (`Analysis.platform`). Seen
+# in the buffer assignments: XLA:CPU starts each buffer at a multiple of 64 bytes (16-byte
+# tuple buffers 64 apart); the TPU compiler aligns small tuple buffers the same way.
+_PADDING_WHY = {"cpu": "XLA:CPU places each buffer at a 64-byte-aligned offset",
+                "tpu": "the TPU compiler places small buffers at aligned offsets"}
 _MOVING = {CollectiveKind.ALL_GATHER, CollectiveKind.ALL_TO_ALL, CollectiveKind.RAGGED_ALL_TO_ALL,
            CollectiveKind.COLLECTIVE_PERMUTE, CollectiveKind.COLLECTIVE_BROADCAST}
 
 
 def peak_buffers(allocations: tuple[Allocation, ...], live: LiveRanges, module: HloModule,
-                 collectives: tuple[Collective, ...], temp_bytes: int | None = None) -> tuple[PeakBuffer, ...]:
+                 collectives: tuple[Collective, ...], temp_bytes: int | None = None,
+                 platform: str = "") -> tuple[PeakBuffer, ...]:
     """The buffers at the peak, largest first (see the module docstring). `temp_bytes`:
     the executable's temp (`memory_analysis()`); where it exceeds the buffer assignment's
-    (a TPU executable's 1 MiB HBM logging buffer and scratch), the rest is one entry."""
+    (a TPU executable's 1 MiB HBM logging buffer and scratch), the rest is one entry.
+    `platform` words the padding entry ("cpu", "tpu", ...)."""
     by_name = {i.name: i for i in module.instructions()}
     by_id = {c.id: c for c in collectives}
     found: list[PeakBuffer] = []
@@ -64,8 +71,9 @@ def peak_buffers(allocations: tuple[Allocation, ...], live: LiveRanges, module: 
             held = _painted(allocation, live)
             unused = allocation.size - sum(held.values())
             if unused > 0:
-                found.append(_unlisted(PADDING, unused, "bytes of the temp allocation no buffer uses "
-                                       "(alignment: the TPU compiler places small buffers at aligned offsets)"))
+                why = _PADDING_WHY.get(platform, "XLA places buffers at aligned offsets")
+                found.append(_unlisted(PADDING, unused, f"bytes of the temp allocation no buffer uses "
+                                       f"(alignment: {why})"))
         else:
             held = {slot: slot.size for slot in allocation.slots if live.alive_at_peak(slot.value)}
         for slot, nbytes in held.items():

@@ -20,8 +20,10 @@ import importlib.util
 import os
 import sys
 import sysconfig
+import traceback
 from pathlib import PurePath
 
+from .._format import clip
 from ._model import Source
 
 # Frames inside these installed packages are never the user's: JAX and the libraries
@@ -86,6 +88,27 @@ def user_stack(stack: tuple[Source, ...]) -> tuple[Source, ...]:
     kept = tuple(frame for frame in stack
                  if not is_library_file(frame.file) and not is_jax_shim(frame.file, frame.function))
     return kept[:MAX_FRAMES] or tuple(stack[:1])
+
+
+def raised_at(error: BaseException) -> tuple[Source, str] | None:
+    """Where the user's code raised `error`, or called what raised it: the innermost frame of
+    its traceback that is the user's (`is_library_file`), shown as a user reads it, with the
+    text of that line ("" where its source cannot be read). None if no frame is the user's."""
+    for frame in reversed(traceback.extract_tb(error.__traceback__)):
+        if not is_library_file(frame.filename) and not is_jax_shim(frame.filename, frame.name):
+            return shown(Source(frame.filename, frame.lineno or 0, frame.name)), (frame.line or "").strip()
+    return None
+
+
+def user_line(error: BaseException) -> str:
+    """` at model.py:12 in layer (x @ w)`: `raised_at` for a one-line message ("" where no
+    frame is the user's)."""
+    found = raised_at(error)
+    if found is None:
+        return ""
+    where, text = found
+    text = clip(" ".join(text.split()), 100)
+    return f" at {where.file}:{where.line} in {where.function}" + (f" ({text})" if text else "")
 
 
 def shown(frame: Source) -> Source:

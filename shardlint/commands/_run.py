@@ -1,6 +1,7 @@
 """`shardlint analyze`, `report`, `check` and `demo`: each takes the parsed command line
 and returns the exit code (0 clean, 1 findings or a failed gate); a user's mistake is a
-`UsageError`, one line."""
+`UsageError`, one line. Each names the files it writes first (`_outputs`: refused before
+any work if the OS will not take them, removed again on Ctrl-C)."""
 
 from __future__ import annotations
 
@@ -8,50 +9,37 @@ import os
 
 from .._errors import UsageError
 from ._load import analyze_dump_of, load, load_sweep, progress, reads_dump
-
-
-def _writable_file(path: str, what: str) -> None:
-    """Fails now, in one line, if `path` cannot be written (before minutes of analysis)."""
-    folder = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(folder):
-        raise UsageError(f"cannot write {what} to {path}: the folder {folder} does not exist")
-    if os.path.isdir(path):
-        raise UsageError(f"cannot write {what} to {path}: it is a folder")
-    if not os.access(folder, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
-        raise UsageError(f"cannot write {what} to {path}: permission denied")
-
-
-def _writable_folder(path: str, what: str) -> None:
-    """Creates `path` if missing; fails now, in one line, if it cannot be written."""
-    try:
-        os.makedirs(path, exist_ok=True)
-    except OSError as e:
-        raise UsageError(f"cannot write {what} to {path}: {e.strerror or e}") from None
-    if not os.access(path, os.W_OK):
-        raise UsageError(f"cannot write {what} to {path}: permission denied")
+from ._outputs import output_file, output_folder
 
 
 def analyze_command(args) -> int:
-    from ..analyzer import analyze
-    from ..internal import fit_of
-    from ..reports import format_scopes, format_text, write_json
-
     from_dump = reads_dump(args)
     if args.json:
-        _writable_file(args.json, "the analysis")
+        output_file(args.json, "the analysis")
     if args.sweep:
         return _analyze_sweep(args)
+    return _analyze(args, from_dump)
+
+
+def _analyze(args, from_dump: bool) -> int:
+    from ..internal import fit_of
+    from ..reports import format_scopes, format_text, write_json
+    from ._sweep import analyze_pair
+
     if from_dump:
         analysis, title = analyze_dump_of(args), ""
     else:
         mesh, fn, step_args = load(args)
-        if args.rewrite:
-            from ..rewrites import rewrite
+        if args.rewrite:   # nothing to rewrite: the step as it is, said in one progress line
+            pair = analyze_pair(fn, step_args, mesh, rewrite=True, verify=_can_verify(args, True),
+                                progress=progress, **_rewrite_options(args, mesh))
+            analysis = pair.after or pair.before
+            title = args.target + (" (rewritten)" if pair.after is not None else "")
+        else:
+            from ..analyzer import analyze
 
-            fn = rewrite(fn, mesh, verify=_can_verify(args, True), args=step_args,
-                         progress=progress, **_rewrite_options(args, mesh))
-        analysis = analyze(fn, *step_args, params_argnums=args.params_argnums, progress=progress)
-        title = args.target + (" (rewritten)" if args.rewrite else "")
+            analysis = analyze(fn, *step_args, params_argnums=args.params_argnums, progress=progress)
+            title = args.target
     fit = fit_of(analysis, args.hbm_gib)
     print(format_text(analysis, title=title, fit=fit))
     if args.by_scope:
@@ -113,49 +101,61 @@ def _can_run(args, rewriting: bool) -> bool:
 
 
 def report_command(args) -> int:
-    from ._sweep import analyze_pair
-    from ..reports import write_html, write_report_data
-
-    if reads_dump(args):
-        _writable_file(args.out, "the report")
-        if args.json:
-            _writable_file(args.json, "the report's data")
-        before = analyze_dump_of(args)
-        write_html(before, None, path=args.out, title=args.xla_dump,
-                   rewrite_note="read from an XLA dump: the rewrite needs the step's Python")
-        if args.json:
-            write_report_data(args.json, before, None)
-        progress(f"wrote {args.out}")
-        return 1 if before.findings or not _report_fit(args, before, None) else 0
-    _writable_file(args.out, "the report")
+    from_dump = reads_dump(args)
+    output_file(args.out, "the report")
     if args.json:
-        _writable_file(args.json, "the report's data")
+        output_file(args.json, "the report's data")
+    return _report_dump(args) if from_dump else _report(args)
+
+
+def _report_dump(args) -> int:
+    from ._sweep import Pair
+
+    before = analyze_dump_of(args)
+    _write_report(args, Pair(before), None, title=args.xla_dump,
+                  note="read from an XLA dump: the rewrite needs the step's Python")
+    return 1 if before.findings or not _report_fit(args, before, None) else 0
+
+
+def _report(args) -> int:
+    from ._sweep import Pair, analyze_pair
+
     plan = load_sweep(args)   # before load: a sweep over a mesh axis may need more devices
     rewrite = not args.no_rewrite
-    notes: list[str] = []
     points = None
     if plan is None or not _over_options(args, plan[0]):
         mesh, fn, step_args = load(args)
-        before, after = analyze_pair(fn, step_args, mesh, rewrite=rewrite, verify=_can_verify(args, rewrite),
-                                     progress=progress, on_rewrite_note=notes.append,
-                                     **_rewrite_options(args, mesh))
+        pair = analyze_pair(fn, step_args, mesh, rewrite=rewrite, verify=_can_verify(args, rewrite),
+                            progress=progress, keep_refusal=True, **_rewrite_options(args, mesh))
+        if pair.note():
+            progress(pair.note())
         if plan is not None:
             key, values, build = plan
             current = dict(zip(mesh.axis_names, mesh.devices.shape))[key]
-            points = _sweep(args, plan, rewrite, known={current: (before, after)})
+            points = _sweep(args, plan, rewrite, known={current: pair})
     else:   # the target's option swept: the report's step is the last point's
         points = _sweep(args, plan, rewrite)
-        before, after = points["points"][-1]["before"], points["points"][-1]["after"]
-    for note in notes:
-        progress(note)
-    write_html(before, after, path=args.out, sweep=points, title=args.target,
-               rewrite_note=notes[0] if notes else "")
+        last = points["points"][-1]
+        pair = Pair(last["before"], last["after"], refused=last["refused"])
+    _write_report(args, pair, points, title=args.target, note=pair.note())
+    fits = _report_fit(args, pair.before, pair.after)
+    return 1 if (pair.after or pair.before).findings or not fits else 0
+
+
+def _write_report(args, pair, points, title: str, note: str) -> None:
+    """The page, its data (`--json`) and the summary on stdout."""
+    from ..internal import mesh_text
+    from ..reports import write_html, write_report_data
+    from ._summary import summary
+
+    write_html(pair.before, pair.after, path=args.out, sweep=points, title=title, rewrite_note=note)
     progress(f"wrote {args.out}")
+    files = [("report", os.path.abspath(args.out))]
     if args.json:
-        write_report_data(args.json, before, after, points)
+        write_report_data(args.json, pair.before, pair.after, points)
         progress(f"wrote {args.json}")
-    fits = _report_fit(args, before, after)
-    return 1 if (after or before).findings or not fits else 0
+        files.append(("data", os.path.abspath(args.json)))
+    print(summary(f"shardlint report: {title} on mesh {mesh_text(pair.before.mesh)}", pair, points, files))
 
 
 def _over_options(args, key: str) -> bool:
@@ -190,7 +190,7 @@ def check_command(args) -> int:
 
     from_dump = reads_dump(args)
     if args.update:
-        _writable_file(args.baseline, "the baseline")
+        output_file(args.baseline, "the baseline")
 
     def analysis():
         if from_dump:
@@ -204,9 +204,8 @@ def check_command(args) -> int:
 
 
 def demo_command(args) -> int:
-    from ._demo import run_demo
+    from ._demo import FILES, run_demo
 
-    _writable_folder(args.out, "the demo's report")
-
+    output_folder(args.out, "the demo's report", files=FILES)
     print(run_demo(args.out, progress=progress))
     return 0

@@ -10,12 +10,13 @@ result is the structure `shardlint.reports` draws (`reports._sweep`).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 import warnings
 from typing import Any, Callable
 
-from .._errors import NothingToRewrite, ShardlintError, UsageError
+from .._errors import NothingToRewrite, RewriteError, ShardlintError, UsageError, first_line
 from ..analyzer import Analysis
 
 Progress = Callable[[str], None]
@@ -59,69 +60,87 @@ def start_devices(mesh: dict[str, int], sweep: tuple[str, tuple[int, ...]]) -> N
     jax.devices()
 
 
+@dataclasses.dataclass(frozen=True)
+class Pair:
+    """A step analyzed before and after the rewrite. `after` is None where there is no
+    rewritten step to analyze: none was asked for, it was refused (`refused`, the
+    RewriteError's text) or nothing was rewritten (`unchanged`, why)."""
+
+    before: Analysis
+    after: Analysis | None = None
+    refused: str = ""
+    unchanged: str = ""
+
+    def note(self) -> str:
+        """One sentence for the page where there is no after side ("" where there is)."""
+        if self.refused:
+            return f"The rewrite was refused: {self.refused}"
+        if self.unchanged:
+            return f"Nothing was rewritten: {self.unchanged}."
+        return ""
+
+
 def analyze_pair(fn: Callable, args: tuple, mesh, *, rewrite: bool = True, verify: bool = True,
-                 progress: Progress | None = None, on_rewrite_note: Callable[[str], None] | None = None,
-                 **rewrite_options) -> tuple[Analysis, Analysis | None]:
+                 progress: Progress | None = None, keep_refusal: bool = False,
+                 **rewrite_options) -> Pair:
     """Analyzes the step, then (with `rewrite`) the rewritten step on the same arguments.
 
-    With `on_rewrite_note`, a rewrite that is refused (`RewriteError`) or that changes
-    nothing is said to it in one sentence and the pair comes back without an after side
-    (there is nothing to compare), instead of raising. `rewrite_options` are the rewrite's
-    `batch_axes=`, `seq_axes=`, `capacity=` and `params_argnums=` (the analyses' too).
+    A rewrite that changes nothing comes back `unchanged`, with no after side (nothing to
+    compare; the rewrite said why on `progress`, and no warning is shown). With
+    `keep_refusal` a refused rewrite (`RewriteError`) comes back `refused` instead of
+    raising. `rewrite_options` are the rewrite's `batch_axes=`, `seq_axes=`, `capacity=`
+    and `params_argnums=` (the analyses' too).
     """
-    import warnings
-
-    from .._errors import NothingToRewrite, RewriteError
     from ..analyzer import analyze
     from ..rewrites import rewrite as rewrite_step
 
     params_argnums = rewrite_options.get("params_argnums")
     before = analyze(fn, *args, params_argnums=params_argnums, progress=progress)
     if not rewrite:
-        return before, None
+        return Pair(before)
     try:
-        with warnings.catch_warnings():
-            if on_rewrite_note is not None:   # said on the page instead
-                warnings.simplefilter("ignore", NothingToRewrite)
+        with warnings.catch_warnings():   # the result says it, in one line
+            warnings.simplefilter("ignore", NothingToRewrite)
             fixed = rewrite_step(fn, mesh, verify=verify, args=args, analysis=before, progress=progress,
                                  **rewrite_options)
     except RewriteError as e:
-        if on_rewrite_note is None:
+        if not keep_refusal:
             raise
-        on_rewrite_note(f"The rewrite was refused: {e}")
-        return before, None
-    if fixed.changed is False and on_rewrite_note is not None:
-        on_rewrite_note(f"Nothing was rewritten: {fixed.notes[-1].removeprefix('nothing to rewrite: ')}.")
-        return before, None
+        return Pair(before, refused=str(e))
+    if fixed.changed is False:
+        return Pair(before, unchanged=fixed.notes[-1].removeprefix("nothing to rewrite: "))
     if progress:
         progress("analyzing the rewritten step")
-    return before, analyze(fixed, *args, params_argnums=params_argnums, progress=progress)
+    return Pair(before, analyze(fixed, *args, params_argnums=params_argnums, progress=progress))
 
 
 def run_sweep(key: str, values: tuple[int, ...], build_point: Callable[[int], tuple], *,
               rewrite: bool = True, progress: Progress | None = None,
-              known: dict[int, tuple[Analysis, Analysis | None]] | None = None,
+              known: dict[int, Pair] | None = None,
               rewrite_options: dict[str, Any] | None = None) -> dict[str, Any]:
     """Analyzes the step at each value of `key` (and with `rewrite`, the rewritten step);
     `build_point(value)` returns that point's `(mesh, step, args)`, `known` holds points
-    already analyzed (by value). Returns `{"axis": key, "points": [...]}` (`reports._sweep`)."""
+    already analyzed (by value). Returns `{"axis": key, "points": [...]}` (`reports._sweep`):
+    a point where the rewrite changes nothing has the step itself as its after side; one
+    where it is refused has none, and says why (`refused`)."""
     known = known or {}
     points = []
     for value in values:
         if value in known:
-            before, after = known[value]
+            pair = known[value]
         else:
             if progress:
                 progress(f"sweep {key}={value}")
             try:
                 mesh, fn, args = build_point(value)
-                with warnings.catch_warnings():   # a point may have nothing to rewrite (context 1)
-                    warnings.simplefilter("ignore", NothingToRewrite)
-                    before, after = analyze_pair(fn, args, mesh, rewrite=rewrite, verify=False,
-                                                 progress=progress, **(rewrite_options or {}))
+                pair = analyze_pair(fn, args, mesh, rewrite=rewrite, verify=False, progress=progress,
+                                    keep_refusal=True, **(rewrite_options or {}))
             except ShardlintError as e:
                 raise type(e)(f"--sweep {key}={value}: {e}") from e
-        points.append({"value": value, "before": before, "after": after})
+            if pair.refused and progress:
+                progress(f"sweep {key}={value}: the rewrite was refused: {first_line(pair.refused)}")
+        after = pair.before if pair.unchanged else pair.after
+        points.append({"value": value, "before": pair.before, "after": after, "refused": pair.refused})
     return {"axis": key, "points": points}
 
 

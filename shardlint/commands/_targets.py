@@ -103,13 +103,20 @@ def load_target(target: str) -> Callable:
         raise UsageError(f"target {target!r}: cannot import {module_part}: {e}") from e
     except Exception as e:
         raise UsageError(f"target {target!r}: importing {module_part} raised "
-                         f"{type(e).__name__}: {e}") from e
+                         f"{type(e).__name__}{_raised_at(e)}: {e}") from e
     fn = getattr(module, attr, None)
     if fn is None:
         raise UsageError(f"target {target!r}: {module_part} has no attribute {attr!r}")
     if not callable(fn):
         raise UsageError(f"target {target!r}: {attr} is not callable")
     return fn
+
+
+def _raised_at(error: Exception) -> str:
+    """Where in the user's code `error` came from (` at model.py:12 in make_step (...)`)."""
+    from ..internal import user_line   # imports the analyzer, and JAX: only once it failed
+
+    return user_line(error)
 
 
 def parse_options(words: list[str] | None) -> dict[str, Any]:
@@ -146,7 +153,7 @@ def make_step(target: str, mesh, options: dict[str, Any] | None = None, *,
     except ShardlintError:
         raise   # the target's own one-line error (MaxText's target raises these)
     except Exception as e:
-        raise UsageError(f"target {target!r} raised {type(e).__name__}: {e}") from e
+        raise UsageError(f"target {target!r} raised {type(e).__name__}{_raised_at(e)}: {e}") from e
     if not (isinstance(made, tuple) and len(made) == 2):
         raise UsageError(f"target {target!r} must return (step_fn, args), got {_described(made)}")
     if not callable(made[0]):

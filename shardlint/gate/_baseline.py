@@ -15,10 +15,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import tempfile
 from collections.abc import Iterable
 
 from .._errors import ShardlintError
+from .._files import write_text
 from ..analyzer import Analysis, Collective
 from ._keys import CollectiveKey
 
@@ -97,29 +97,31 @@ def write_baseline(baseline: Baseline, path: str) -> bool:
                 return False
     except (OSError, UnicodeDecodeError):
         pass
-    folder = os.path.dirname(os.path.abspath(path))
     try:
-        os.makedirs(folder, exist_ok=True)
-        mode = os.stat(path).st_mode & 0o777 if os.path.exists(path) else 0o644
-        fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        write_text(path, text)
     except OSError as e:
         raise BaselineError(f"cannot write baseline {path}: {e}") from e
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(text)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.chmod(tmp, mode)
-        os.replace(tmp, path)
-    except BaseException as e:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        if isinstance(e, OSError):
-            raise BaselineError(f"cannot write baseline {path}: {e}") from e
-        raise
     return True
+
+
+# json's messages for the mistakes a hand edit makes, in words ("Invalid control character
+# at" is json's text before it appends the position).
+_JSON_PROBLEMS = {
+    "Invalid control character at": "a control character (a raw tab or line break) inside a string",
+    "Unterminated string starting at": "a string that is never closed",
+    "Expecting value": "a value is missing",
+    "Extra data": "text after the end of the document",
+    "Invalid \\escape": "a backslash escape JSON does not know",
+}
+
+
+def _json_problem(message: str) -> str:
+    known = _JSON_PROBLEMS.get(message)
+    if known:
+        return known
+    message = message.removesuffix(" at")
+    return message[:1].lower() + message[1:]
 
 
 def read_baseline(path: str, how_to_create: str = "shardlint check TARGET --mesh ... --update") -> Baseline:
@@ -135,8 +137,8 @@ def read_baseline(path: str, how_to_create: str = "shardlint check TARGET --mesh
     try:
         doc = json.loads(text)
     except json.JSONDecodeError as e:
-        raise BaselineError(f"baseline {path} is not valid JSON (line {e.lineno}, column "
-                            f"{e.colno}: {e.msg}); re-{fix}") from None
+        raise BaselineError(f"baseline {path} is not valid JSON: {_json_problem(e.msg)} at line "
+                            f"{e.lineno}, column {e.colno}; re-{fix}") from None
     schema = doc.get("schema") if isinstance(doc, dict) else None
     if schema != SCHEMA:
         older = isinstance(schema, str) and schema.startswith("shardlint.baseline/")

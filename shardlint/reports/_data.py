@@ -4,7 +4,8 @@
      "before": <shardlint.analysis/3>, "after": <shardlint.analysis/3> | null,
      "sweep": null | {
         "key": "ici_context_parallelism", "values": [1, 2, 4, 8],
-        "points": [{"value": 1, "before": <memory>, "after": <memory> | null}, ...],
+        "points": [{"value": 1, "before": <memory>, "after": <memory> | null,
+                    "refused": null | "<why the rewrite was refused at this point>"}, ...],
         "before": <scaling>, "after": <scaling> | null}}
 
 A point's memory is `Analysis.memory` (`temp_bytes`, `peak_buffers`, ...). A scaling is
@@ -21,6 +22,7 @@ import dataclasses
 import json
 from typing import Any
 
+from .._files import write_text
 from ..analyzer import Analysis
 from ..internal import MemoryScaling, memory_scaling
 from ._sweep import check_sweep
@@ -47,7 +49,8 @@ def report_data(before: Analysis, after: Analysis | None, sweep: dict[str, Any] 
         doc["sweep"] = {
             "key": sweep["axis"], "values": [p["value"] for p in sweep["points"]],
             "points": [{"value": p["value"], "before": dataclasses.asdict(p["before"].memory),
-                        "after": dataclasses.asdict(p["after"].memory) if p["after"] is not None else None}
+                        "after": dataclasses.asdict(p["after"].memory) if p["after"] is not None else None,
+                        "refused": p["refused"] or None}
                        for p in sweep["points"]],
             "before": _scaling(scaling_before), "after": _scaling(scaling_after)}
     return doc
@@ -61,6 +64,4 @@ def _scaling(scaling: MemoryScaling | None) -> dict | None:
 
 def write_report_data(path: str, before: Analysis, after: Analysis | None,
                       sweep: dict[str, Any] | None = None) -> None:
-    with open(path, "w", encoding="utf-8") as fh:
-        json.dump(report_data(before, after, sweep), fh, indent=1)
-        fh.write("\n")
+    write_text(path, json.dumps(report_data(before, after, sweep), indent=1) + "\n")

@@ -27,6 +27,7 @@ import jinja2
 from markupsafe import Markup
 
 from .._errors import UsageError
+from .._files import write_text
 from .._format import human_bytes, source_text
 from ..analyzer import Analysis, Collective, Finding, Source, scope_tree
 from ..internal import normalize_op_path
@@ -260,14 +261,14 @@ def sweep_view(sweep: dict[str, Any]) -> dict[str, Any]:
     scaling_before, scaling_after = sweep_scalings(sweep)
     series = {"before": [(p["value"], p["before"].memory.temp_bytes) for p in points]}
     ideals = {"before": list(zip(scaling_before.values, scaling_before.ideal))}
-    if any(p["after"] is not None for p in points):
+    if any(p["after"] is not None or p["refused"] for p in points):
         series["after"] = [(p["value"], p["after"].memory.temp_bytes if p["after"] else None)
                            for p in points]
         if scaling_after is not None:
             ideals["after"] = list(zip(scaling_after.values, scaling_after.ideal))
     ideal = {name: dict(pts) for name, pts in ideals.items()}
     rows = [{"value": p["value"], "mesh": p["before"].mesh, "before": p["before"], "after": p["after"],
-             "ideal_before": ideal["before"].get(p["value"]),
+             "refused": p["refused"], "ideal_before": ideal["before"].get(p["value"]),
              "ideal_after": ideal.get("after", {}).get(p["value"])} for p in points]
     has_peak = any(a is not None and a.memory.peak_bytes is not None
                    for p in points for a in (p["before"], p["after"]))
@@ -296,8 +297,10 @@ def render_html(before: Analysis, after: Analysis | None = None, *, sweep: dict[
     doc = {"schema": REPORT_SCHEMA, "title": title, "before": before.to_json(),
            "after": after.to_json() if after else None,
            "sweep": sweep_summary(sweep) if sweep else None}
+    figures = headline(before, after)
     return _environment().get_template("report.html").render(
-        title=title, before=before, after=after, headline=headline(before, after), rewrite_note=rewrite_note,
+        title=title, before=before, after=after, headline=figures, rewrite_note=rewrite_note,
+        figures={h["name"]: h for h in figures},
         scopes=scope_tree(before), after_scopes=scope_tree(after) if after else None,
         verdict=verdict(before, after), memory=memory_rows(before, after),
         peaks=[(label, a, peak_view(a)) for label, a in (("before", before), ("after", after)) if a is not None],
@@ -323,8 +326,7 @@ def write_html(before: Analysis, after: Analysis | None = None, path: str = "sha
     """
     text = render_html(before, after, sweep=sweep, title=title, root=root, rewrite_note=rewrite_note)
     try:
-        with open(path, "w", encoding="utf-8") as fh:
-            fh.write(text)
+        write_text(path, text)
     except OSError as e:
         raise UsageError(f"cannot write the report to {path}: {e.strerror or e}") from e
     return path

@@ -18,9 +18,15 @@ from markupsafe import Markup, escape
 from ..analyzer import Neighbourhood
 from .._format import clip, human_bytes
 
-# Node box geometry (px) for the neighbourhood drawing.
-_NODE_W, _NODE_H, _LAYER_GAP, _ROW_GAP, _PAD = 184, 48, 44, 12, 10
-_CHARS = 27                         # what fits in a box at 11px monospace
+# Node box geometry (px) for the neighbourhood drawing. A label is wrapped onto as many
+# lines as it needs (at most _MAX_LINES; the box's <title> holds it whole): the op and its
+# XLA name, then the shape and its sharding. Monospace glyphs are ~0.6em wide; 0.62 leaves
+# room for the fonts a browser may pick.
+_NODE_W, _LAYER_GAP, _ROW_GAP, _PAD = 184, 44, 12, 10
+_TEXT_W = _NODE_W - 16              # 8 px inside each side of the box
+_OP_PX, _ID_PX, _SHAPE_PX, _EM = 12, 10.5, 11, 0.62
+_CHARS = int(_TEXT_W / (_SHAPE_PX * _EM))   # shape characters per line
+_LINE_H, _MAX_LINES = 15, 5
 _MAX_NODES = 48                     # beyond this the drawing stops being readable
 _NOT_AXES = {"P", "None", "replicated", "maximal", "device", "devices", "manual", "last_tile_dim_replicate"}
 
@@ -85,32 +91,78 @@ def _trim(nb: Neighbourhood) -> Neighbourhood:
                          edges=tuple(e for e in nb.edges if e[0] in keep and e[1] in keep))
 
 
+def node_label(op: str, node_id: str, shape: str) -> list[list[tuple[str, str]]]:
+    """The lines of a node's box, each a list of (css class, text) runs: the op and its
+    XLA name (on a line of its own where both do not fit), then the shape wrapped at
+    `_CHARS` characters (after a comma or space where there is one); at most `_MAX_LINES`,
+    the last cut with an ellipsis where the label is longer."""
+    op_chars = int(_TEXT_W / (_OP_PX * _EM))
+    id_chars = int(_TEXT_W / (_ID_PX * _EM))
+    lines: list[list[tuple[str, str]]] = []
+    op_lines = _wrap(op, op_chars)
+    lines += [[("op", text)] for text in op_lines]
+    room = int((_TEXT_W - len(op_lines[-1]) * _OP_PX * _EM - 6) / (_ID_PX * _EM))
+    if node_id and len(node_id) <= room:
+        lines[-1].append(("id", node_id))
+    elif node_id:
+        lines += [[("id", text)] for text in _wrap(node_id, id_chars)]
+    array, spec, sharding = shape.partition(" P(")   # the sharding on a line of its own
+    parts = [array, spec.lstrip() + sharding] if spec else [shape]
+    lines += [[("shape", text)] for part in parts for text in _wrap(part, _CHARS)]
+    if len(lines) > _MAX_LINES:
+        lines = lines[:_MAX_LINES]
+        css, text = lines[-1][-1]
+        lines[-1][-1] = (css, clip(text + "…", _CHARS))
+    return lines
+
+
+def _runs(line: list[tuple[str, str]]) -> str:
+    """One line of a label as tspans, 6 px apart."""
+    gap = ' dx="6"'
+    return "".join(f'<tspan class="{css}"{gap if i else ""}>{escape(run)}</tspan>'
+                   for i, (css, run) in enumerate(line))
+
+
+def _wrap(text: str, width: int) -> list[str]:
+    """`text` in lines of at most `width` characters, broken after the last comma or space
+    that fits (anywhere where none does)."""
+    lines = []
+    while len(text) > width:
+        cut = max(text.rfind(", ", 0, width - 1) + 2, text.rfind(" ", 0, width) + 1)
+        cut = cut if cut > width // 3 else width
+        lines.append(text[:cut].rstrip())
+        text = text[cut:].lstrip()
+    return lines + [text] if text or not lines else lines
+
+
 def neighbourhood_svg(nb: Neighbourhood | None, lost_axes: tuple[str, ...] = ()) -> Markup:
     """The ops around a finding, coloured by whether they still carry the lost axes."""
     if nb is None or not nb.nodes:
         return Markup("")
     nb = _trim(nb)
     pos = layout_neighbourhood(nb)
+    labels = {n.id: node_label(n.op, n.id, n.shape) for n in nb.nodes}
+    node_h = 10 + _LINE_H * max(len(lines) for lines in labels.values())
     n_layers = max(p[0] for p in pos.values()) + 1
     n_rows = max(sum(1 for p in pos.values() if p[0] == d) for d in range(n_layers))
     width = 2 * _PAD + n_layers * _NODE_W + (n_layers - 1) * _LAYER_GAP
-    height = 2 * _PAD + n_rows * _NODE_H + (n_rows - 1) * _ROW_GAP
+    height = 2 * _PAD + n_rows * node_h + (n_rows - 1) * _ROW_GAP
     per_layer = {d: sum(1 for p in pos.values() if p[0] == d) for d in range(n_layers)}
 
     def xy(node_id):
         d, r = pos[node_id]
-        offset = (n_rows - per_layer[d]) * (_NODE_H + _ROW_GAP) / 2
-        return _PAD + d * (_NODE_W + _LAYER_GAP), _PAD + offset + r * (_NODE_H + _ROW_GAP)
+        offset = (n_rows - per_layer[d]) * (node_h + _ROW_GAP) / 2
+        return _PAD + d * (_NODE_W + _LAYER_GAP), _PAD + offset + r * (node_h + _ROW_GAP)
 
     out = [f'<svg class="graph" xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {width} {height}" '
-           f'width="100%" style="max-width:{width}px" role="img" aria-label="graph neighbourhood">']
+           f'width="{width}" height="{height}" role="img" aria-label="graph neighbourhood">']
     for a, b in nb.edges:
         if a not in pos or b not in pos or a == b:
             continue
         (x1, y1), (x2, y2) = xy(a), xy(b)
-        sx, sy, ex, ey = x1 + _NODE_W, y1 + _NODE_H / 2, x2, y2 + _NODE_H / 2
+        sx, sy, ex, ey = x1 + _NODE_W, y1 + node_h / 2, x2, y2 + node_h / 2
         if ex <= sx:  # same layer (a collapsed cycle): loop around the right side
-            ex, ey = x2 + _NODE_W, y2 + _NODE_H / 2
+            ex, ey = x2 + _NODE_W, y2 + node_h / 2
             bend = sx + _LAYER_GAP * 0.6
             path = f"M{sx},{sy} C{bend},{sy} {bend},{ey} {ex + 6},{ey}"
             tip = (ex, ey, 1)
@@ -128,13 +180,12 @@ def neighbourhood_svg(nb: Neighbourhood | None, lost_axes: tuple[str, ...] = ())
         state = "focus" if node.focus else ("kept" if lost and lost <= carried else "lost")
         where = f"{node.source.file}:{node.source.line}" if node.source else ""
         tip = "\n".join(filter(None, (f"{node.op} {node.id}", node.shape, where)))
+        text = "".join(f'<text x="{x + 8}" y="{y + 18 + i * _LINE_H}">{_runs(line)}</text>'
+                       for i, line in enumerate(labels[node.id]))
         out.append(
             f'<g class="node {state}" data-node="{escape(node.id)}" data-op="{escape(node.op)}">'
             f"<title>{escape(tip)}</title>"
-            f'<rect x="{x}" y="{y}" width="{_NODE_W}" height="{_NODE_H}" rx="6"/>'
-            f'<text x="{x + 8}" y="{y + 18}" class="op">{escape(clip(node.op, 16))}'
-            f'<tspan class="id" dx="6">{escape(clip(node.id, _CHARS - 2 - min(len(node.op), 16)))}</tspan></text>'
-            f'<text x="{x + 8}" y="{y + 36}" class="shape">{escape(clip(node.shape, _CHARS))}</text></g>')
+            f'<rect x="{x}" y="{y}" width="{_NODE_W}" height="{node_h}" rx="6"/>{text}</g>')
     out.append("</svg>")
     return Markup("".join(out))
 

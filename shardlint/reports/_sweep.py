@@ -3,10 +3,12 @@
 The sweep handed to `write_html` is a plain, documented structure::
 
     {"axis": "context",
-     "points": [{"value": 1, "before": Analysis, "after": Analysis | None}, ...]}
+     "points": [{"value": 1, "before": Analysis, "after": Analysis | None,
+                 "refused": ""}, ...]}
 
-Points are drawn in order of value; "after" is None when the report has no rewrite. The
-runs that produce it live in `shardlint.commands` (`run_sweep`).
+Points are drawn in order of value; "after" is None when the report has no rewrite, or
+where the rewrite was refused at that point: then "refused" (optional) says why. The runs
+that produce it live in `shardlint.commands` (`run_sweep`).
 """
 
 from __future__ import annotations
@@ -26,10 +28,12 @@ def check_sweep(sweep: dict[str, Any]) -> dict[str, Any]:
         if not isinstance(p.get("before"), Analysis) or not isinstance(p.get("value"), int):
             raise ValueError(f"sweep point {p.get('value')!r}: needs an int value and a "
                              f"'before' Analysis")
-        after = p.get("after")
+        after, refused = p.get("after"), p.get("refused") or ""
         if after is not None and not isinstance(after, Analysis):
             raise ValueError(f"sweep point {p['value']}: 'after' must be an Analysis or None")
-        points.append({"value": p["value"], "before": p["before"], "after": after})
+        if refused and after is not None:
+            raise ValueError(f"sweep point {p['value']}: a refused rewrite has no 'after'")
+        points.append({"value": p["value"], "before": p["before"], "after": after, "refused": str(refused)})
     return {"axis": str(sweep["axis"]), "points": sorted(points, key=lambda p: p["value"])}
 
 
@@ -47,5 +51,5 @@ def sweep_summary(sweep: dict[str, Any]) -> dict[str, Any]:
                 "all_gathers": len(ags), "all_gather_bytes": sum(c.bytes for c in ags)}
 
     return {"axis": sweep["axis"],
-            "points": [{"value": p["value"], "before": side(p["before"]), "after": side(p["after"])}
-                       for p in sweep["points"]]}
+            "points": [{"value": p["value"], "before": side(p["before"]), "after": side(p["after"]),
+                        "refused": p["refused"] or None} for p in sweep["points"]]}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+from .._files import write_text
 from .._format import clip, human_bytes
 from .._vocab import FindingKind
 from ..analyzer import Analysis, scope_tree
@@ -148,9 +149,8 @@ def _traffic(t) -> str:
 
 
 def write_json(analysis: Analysis, path: str) -> None:
-    with open(path, "w") as fh:
-        json.dump(analysis.to_json(), fh, indent=2)
-        fh.write("\n")
+    """The analysis (`shardlint.analysis/3`) as a file, written whole or not at all."""
+    write_text(path, json.dumps(analysis.to_json(), indent=2) + "\n")
 
 
 def format_sweep(sweep: dict, title: str = "") -> str:
@@ -164,17 +164,21 @@ def format_sweep(sweep: dict, title: str = "") -> str:
     first = sweep["points"][0]["before"]
     lines = [f"shardlint: {title + ' ' if title else ''}swept over {sweep['axis']}="
              f"{','.join(str(v) for v in before.values)} ({_compiler(first)}, {first.partitioner})", ""]
+    rewritten = any(p["after"] is not None or p["refused"] for p in sweep["points"])
     rows = [(sweep["axis"], "mesh", "temp", "ideal", "findings", "all-gathers")
-            + (("temp rewritten", "findings") if after else ())]
+            + (("temp rewritten", "findings") if rewritten else ())]
     for i, point in enumerate(sweep["points"]):
-        b = point["before"]
+        b, a = point["before"], point["after"]
         row = (str(point["value"]), mesh_text(b.mesh), human_bytes(b.memory.temp_bytes),
                human_bytes(before.ideal[i]), str(len(b.findings)), str(len(b.all_gathers())))
-        if after:
-            row += (human_bytes(point["after"].memory.temp_bytes), str(len(point["after"].findings)))
+        if rewritten:
+            row += (("refused", "-") if point["refused"] else ("-", "-") if a is None
+                    else (human_bytes(a.memory.temp_bytes), str(len(a.findings))))
         rows.append(row)
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    lines += ["  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
+    lines += ["  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    lines += [f"  the rewrite was refused at {sweep['axis']}={p['value']}: {p['refused']}"
+              for p in sweep["points"] if p["refused"]]
     for label, scaling in (("", before), ("rewritten: ", after)):
         if scaling is None:
             continue

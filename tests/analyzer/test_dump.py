@@ -254,8 +254,14 @@ def test_bad_folders_are_one_clear_error(dumps, tmp_path, run_cli):
     cut = next(p for p in step_files(truncated) if p.name.endswith("cpu_after_optimizations.txt"))
     lines = cut.read_text().splitlines(keepends=True)
     cut.write_text("".join(lines[: len(lines) // 2]))
+    nothing = tmp_path / "nothing"
+    nothing.mkdir()
+    model = tmp_path / "model.py"   # a file given where the dump folder goes
+    model.write_text("")
     expected = {
-        tmp_path / "missing": "does not exist",
+        tmp_path / "missing": "the XLA dump folder .*missing does not exist",
+        model: "model.py is a file; give the folder XLA dumped into .*--xla_dump_to=DIR",
+        nothing: "the XLA dump folder .*nothing is empty; write one with XLA_FLAGS=.*--xla_dump_to=DIR",
         empty: "holds no HLO module after optimizations .*notes.txt.*--xla_dump_to=DIR",
         protos: "no text: add --xla_dump_hlo_as_text",
         twice: "holds jit_step compiled 2 times: module_\\d+.jit_step.*module_0099.jit_step.*--module module_",
@@ -263,8 +269,9 @@ def test_bad_folders_are_one_clear_error(dumps, tmp_path, run_cli):
         truncated: f"{cut.name}: HLO line {len(lines) // 2}: expected `}}` closing computation",
     }
     for folder, message in expected.items():
-        with pytest.raises(AnalysisError, match=message):
+        with pytest.raises(AnalysisError, match=message) as raised:
             analyze_dump(str(folder))
+        assert "0 files" not in str(raised.value) and "e.g. none" not in str(raised.value)
     assert analyze_dump(str(twice), module="module_0099").findings
     with pytest.raises(AnalysisError, match="names 2 modules.*give the number"):
         analyze_dump(str(twice), module="jit_step")

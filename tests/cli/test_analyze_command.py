@@ -8,6 +8,7 @@ import textwrap
 
 import pytest
 
+import shardlint
 from shardlint.cli import main
 
 TARGET = "shardlint.examples.steps:make_step"
@@ -164,19 +165,117 @@ def test_a_mesh_is_needed_from_somewhere(capsys):
     assert "give --mesh AXES (the target gets that mesh), --devices N" in capsys.readouterr().err
 
 
+# Where the OS says no: a missing folder, a file where a folder should be, a folder where
+# a file should be, and /proc, which takes no new files even from root (permission bits
+# would let root write anywhere; the path is tried).
+UNWRITABLE = [
+    ("{missing}/out.json", "the folder {missing} does not exist"),
+    ("{file}/out.json", "{file} is a file, not a folder"),
+    ("{tmp}", "it is a folder"),
+    ("/proc/shardlint-out.json", "/proc takes no new files"),
+]
+
+
+@pytest.mark.parametrize("path, why", UNWRITABLE)
 @pytest.mark.parametrize("argv, what", [
-    (["analyze", TARGET, "--mesh", "data=2,context=4", "--json", "{missing}/after.json"], "the analysis"),
-    (["report", TARGET, "--mesh", "data=2,context=4", "--out", "{missing}/report.html"], "the report"),
-    (["check", TARGET, "--mesh", "data=2,context=4", "--update", "--baseline", "{missing}/b.json"], "the baseline"),
-    (["demo", "--out", "{file}/demo"], "the demo's report"),
+    (["analyze", TARGET, "--mesh", "data=2,context=4", "--json"], "the analysis"),
+    (["analyze", TARGET, "--mesh", "data=2,context=4", "--sweep", "context=2,4", "--json"], "the analysis"),
+    (["report", TARGET, "--mesh", "data=2,context=4", "--out"], "the report"),
+    (["report", TARGET, "--mesh", "data=2,context=4", "--json"], "the report's data"),
+    (["check", TARGET, "--mesh", "data=2,context=4", "--update", "--baseline"], "the baseline"),
 ])
-def test_unwritable_outputs_fail_first_in_one_line(argv, what, capsys, tmp_path):
+def test_unwritable_outputs_fail_first_in_one_line(argv, what, path, why, capsys, tmp_path, monkeypatch):
+    if path.startswith("/proc") and not os.path.isdir("/proc"):
+        pytest.skip("no /proc here")
+    monkeypatch.chdir(tmp_path)   # report's default --out lands here
     a_file = tmp_path / "a-file"
     a_file.write_text("")
-    argv = [a.format(missing=tmp_path / "missing", file=a_file) for a in argv]
-    assert main(argv) == 2
+    names = {"missing": tmp_path / "missing", "file": a_file, "tmp": tmp_path}
+    path, why = path.format(**names), why.format(**names)
+    assert main([*argv, path]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith(f"shardlint: error: cannot write {what} to ")
+    # one line, and no other: nothing was traced or compiled first
+    assert err == [f"shardlint: error: cannot write {what} to {path}: {why}"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]
+
+
+@pytest.mark.parametrize("out, why", [
+    ("{file}/demo", "{file} is a file, not a folder"),
+    ("{file}", "it is a file, not a folder"),
+    ("/proc/shardlint-demo", "/proc takes no new files"),
+])
+def test_the_demo_refuses_an_unwritable_folder_first_and_makes_none(out, why, capsys, tmp_path):
+    if out.startswith("/proc") and not os.path.isdir("/proc"):
+        pytest.skip("no /proc here")
+    a_file = tmp_path / "a-file"
+    a_file.write_text("")
+    out, why = out.format(file=a_file), why.format(file=a_file)
+    assert main(["demo", "--out", out]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"shardlint: error: cannot write the demo's report to {out}: {why}"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]
+
+
+def test_nothing_to_rewrite_is_one_line_and_the_exit_code_of_a_plain_analyze(capsys, recwarn):
+    """A flatten before a dense MLP loses context but feeds no routed experts: `--rewrite`
+    has nothing to do, says so once, and the output is the plain analysis's."""
+    dense = ["analyze", "shardlint.examples.steps:make_dense_step", "--mesh", "data=2,context=4"]
+    plain = main(dense)
+    plain_out = capsys.readouterr().out
+    code = main([*dense, "--rewrite"])
+    captured = capsys.readouterr()
+    assert code == plain == 1
+    said = [line for line in captured.err.splitlines() if "nothing to rewrite" in line]
+    assert len(said) == 1 and said[0].startswith("shardlint: nothing to rewrite: ")
+    assert "NothingToRewrite" not in captured.err
+    assert not [w for w in recwarn if issubclass(w.category, shardlint.NothingToRewrite)]
+    assert "(rewritten)" not in captured.out
+    assert captured.out == plain_out
+
+
+USER_ERRORS = textwrap.dedent("""
+    from shardlint.examples import steps
+
+    def layer(params, x):
+        return x @ params["w_out"]   # <- wrong contraction
+
+    def make_step(mesh):
+        _, args = steps.make_step(mesh)
+        return (lambda params, x: layer(params, x).sum()), args
+
+    def make_broken(mesh):
+        config = {}
+        return config["layers"]   # <- missing key
+""")
+
+
+def test_an_error_in_the_users_code_names_its_line_and_traceback_shows_all(tmp_path, capsys):
+    path = tmp_path / "user_errors.py"
+    path.write_text(USER_ERRORS)
+    lines = USER_ERRORS.splitlines()
+    wrong = next(i for i, line in enumerate(lines, 1) if "# <- wrong" in line)
+    missing = next(i for i, line in enumerate(lines, 1) if "# <- missing" in line)
+    mesh = ["--mesh", "data=2,context=4"]
+    assert main(["analyze", f"{path}:make_step", *mesh]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    # the file as findings show it: relative to the folder the target's file put on sys.path
+    assert err[-1].startswith(f"shardlint: error: tracing the step failed at user_errors.py:{wrong} in layer "
+                              f"(return x @ params[\"w_out\"] # <- wrong contraction): TypeError: dot_general")
+    assert err[-1].endswith("(--traceback shows the whole traceback)")
+    assert not any("Traceback (most recent call last)" in line for line in err)
+    assert main(["analyze", f"{path}:make_broken", *mesh]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith(f"shardlint: error: target '{path}:make_broken' raised KeyError at "
+                              f"user_errors.py:{missing} in make_broken (return config[\"layers\"] # <- missing key): 'layers'")
+
+    assert main(["analyze", f"{path}:make_step", *mesh, "--traceback"]) == 2
+    err = capsys.readouterr().err
+    first = err.strip().splitlines()
+    assert any(line.startswith("shardlint: error: tracing the step failed at") and "--traceback" not in line
+               for line in first)
+    assert "Traceback (most recent call last)" in err
+    assert f'File "{path}", line {wrong}, in layer' in err   # the user's frame in the traceback
+    assert "TypeError: dot_general requires contracting dimensions" in err
 
 
 def test_target_returning_the_wrong_shape_says_what_it_got(tmp_path, capsys):

@@ -138,6 +138,10 @@ def test_interrupted_write_keeps_the_old_baseline_and_no_temporary(tmp_path, mon
 @pytest.mark.parametrize("content, says", [
     (None, "no baseline at"),
     ("{ not json", "not valid JSON"),
+    # a hand edit that put a raw tab or line break inside a string: said in words, with where
+    ('{"schema": "shardlint.baseline/2", "target": "a\tb"}',
+     "is not valid JSON: a control character (a raw tab or line break) inside a string at line 1, column 48;"),
+    ('{"schema": "shardlint.baseline/2", "target": "ab', "a string that is never closed at line 1, column 46"),
     ('{"schema": "shardlint.baseline/0", "collectives": []}', "expected 'shardlint.baseline/2'"),
     ('[1, 2]', "has schema None"),
     ('{"schema": "shardlint.baseline/2", "collectives": [{"key": "k"}]}', "damaged"),
@@ -152,6 +156,7 @@ def test_bad_baselines_say_how_to_create_one(tmp_path, content, says):
         read_baseline(str(path), how_to_create="shardlint check T --mesh M --update")
     assert says in str(info.value)
     assert "shardlint check T --mesh M --update" in str(info.value)
+    assert " at)" not in str(info.value) and " at;" not in str(info.value)   # json's cut-off wording
 
 
 def _check(before, after, **kw):

@@ -6,11 +6,14 @@ is decoded with zlib and numpy (no Pillow) and must show a real page, not a blan
 one; the DOM dump shows the table script ran (it is inline, so the CSP allowed it) and
 paginated a large table; a driver script clicks through sort, the kind and text filters
 and the pages as a reader does, and each view must be the rows the server rendered, in
-the order the clicks ask for.
+the order the clicks ask for. At 1280, 1400 and 1920 px wide the box of every text drawn is
+measured: none may overlap another, and a text cut off must be readable whole on hover or by
+scrolling.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import struct
@@ -20,6 +23,7 @@ import zlib
 import numpy as np
 import pytest
 
+from shardlint.analyzer import Source
 from shardlint.reports import render_html, write_html
 
 CHROMIUM = shutil.which("chromium") or ("/usr/bin/chromium" if os.path.exists("/usr/bin/chromium") else None)
@@ -178,3 +182,129 @@ def test_sort_filter_and_pages_by_clicking_in_the_browser(pair, parse, synthetic
     assert seen["all_gathers_info"] == f"1–{min(50, len(gathers))} of {len(gathers)} (of {total})"
     assert seen["filtered"] == sorted(mlp_7, key=ascending.index)[:50]
     assert seen["filtered_info"].endswith(f"of {len(mlp_7)} (of {total})")
+
+
+# Measures, after the page's own script ran, the box of every piece of text Chromium drew
+# (each text node's client rects, cut to what its overflow-clipping ancestors show) and
+# writes into the body: pairs of texts whose boxes overlap; texts cut off, and whether the
+# rest is reachable (a title on the way up to the clip, or a clip that scrolls); graph labels
+# that leave their node's box.
+_BOXES = """<script>
+window.addEventListener("load", function () {
+  function box(r) { return {l: r.left, t: r.top, r: r.right, b: r.bottom}; }
+  function meet(a, b) {
+    var c = {l: Math.max(a.l, b.l), t: Math.max(a.t, b.t), r: Math.min(a.r, b.r), b: Math.min(a.b, b.b)};
+    return (c.r > c.l && c.b > c.t) ? c : null;
+  }
+  function clipOf(el) {   // {box, by}: what the ancestors let show, and the innermost clip
+    var clip = {l: -1e9, t: -1e9, r: 1e9, b: 1e9}, by = [];
+    for (var a = el; a && a !== document.documentElement; a = a.parentElement) {
+      var s = getComputedStyle(a), svg = a.tagName.toLowerCase() === "svg";
+      if (svg || s.overflowX !== "visible" || s.overflowY !== "visible") {
+        var r = a.getBoundingClientRect();
+        clip = meet(clip, svg ? box(r) : {l: r.left + a.clientLeft, t: r.top + a.clientTop,
+                      r: r.left + a.clientLeft + a.clientWidth, b: r.top + a.clientTop + a.clientHeight});
+        by.push(a);
+        if (!clip) break;
+      }
+    }
+    return {box: clip, by: by};
+  }
+  function reachable(el, clips) {   // the whole text shows on hover or by scrolling
+    for (var a = el; a; a = a.parentElement) {
+      if (a.hasAttribute("title") || (a.firstElementChild && a.firstElementChild.tagName.toLowerCase() === "title")) return true;
+      if (clips.indexOf(a) >= 0) {
+        var s = getComputedStyle(a);
+        return /auto|scroll/.test(s.overflowX + s.overflowY);
+      }
+    }
+    return false;
+  }
+  function where(el) {
+    var path = [];
+    for (var a = el; a && path.length < 4 && a !== document.body; a = a.parentElement)
+      path.push(a.tagName.toLowerCase() + (a.id ? "#" + a.id : "") +
+                (a.getAttribute("class") ? "." + a.getAttribute("class").split(" ").join(".") : ""));
+    return path.join(" < ");
+  }
+  var rects = [], cut = [], id = 0;
+  var walker = document.createTreeWalker(document.body, NodeFilter.SHOW_TEXT);
+  for (var n = walker.nextNode(); n; n = walker.nextNode(), id++) {
+    var el = n.parentElement;
+    if (!n.textContent.trim() || el.closest("script, style, title")) continue;
+    var range = document.createRange();
+    range.selectNodeContents(n);
+    var clip = clipOf(el), text = n.textContent.trim().slice(0, 80), parts = range.getClientRects();
+    for (var i = 0; i < parts.length; i++) {
+      var whole = box(parts[i]);
+      if (whole.r - whole.l < 0.5 || whole.b - whole.t < 0.5) continue;
+      var seen = clip.box ? meet(whole, clip.box) : null;
+      if (!seen || seen.r - seen.l < whole.r - whole.l - 1 || seen.b - seen.t < whole.b - whole.t - 1)
+        cut.push({text: text, where: where(el), reachable: reachable(el, clip.by)});
+      if (seen) rects.push({id: id, c: seen, text: text, where: where(el)});
+    }
+  }
+  var overlaps = [];
+  rects.sort(function (a, b) { return a.c.t - b.c.t; });
+  for (var i = 0; i < rects.length; i++) {
+    for (var j = i + 1; j < rects.length && rects[j].c.t < rects[i].c.b; j++) {
+      var m = rects[i].id !== rects[j].id && meet(rects[i].c, rects[j].c);
+      if (m && m.r - m.l > 1 && m.b - m.t > 1)
+        overlaps.push([rects[i].text, rects[i].where, rects[j].text, rects[j].where]);
+    }
+  }
+  var outside = [];
+  document.querySelectorAll("svg.graph g.node").forEach(function (g) {
+    var frame = box(g.querySelector("rect").getBoundingClientRect());
+    g.querySelectorAll("text").forEach(function (t) {
+      var r = box(t.getBoundingClientRect());
+      if (r.l < frame.l || r.r > frame.r || r.t < frame.t || r.b > frame.b)
+        outside.push([g.getAttribute("data-node"), t.textContent]);
+    });
+  });
+  document.body.setAttribute("data-boxes", JSON.stringify(
+    {texts: rects.length, overlaps: overlaps, cut: cut, outside: outside,
+     width: document.documentElement.clientWidth}));
+});
+</script>"""
+
+LONG_SOURCE = Source("/home/someone/projects/a_long_project_name/src/models/mixture_of_experts/routed_layers.py",
+                     1234, "routed_experts_forward")
+
+
+def _long_sources(analysis):
+    """The analysis with every other collective made at a deep path, as real projects are."""
+    collectives = tuple(dataclasses.replace(c, source=LONG_SOURCE, stack=(LONG_SOURCE,)) if i % 2 else c
+                        for i, c in enumerate(analysis.collectives))
+    return dataclasses.replace(analysis, collectives=collectives)
+
+
+@pytest.fixture(scope="module")
+def laid_out_page(pair, sweep, tmp_path_factory):
+    """The report of the example pair as users meet it: a sweep with a refused point, long
+    source paths in the collectives table, findings with their graphs."""
+    before, after = _long_sources(pair[0]), _long_sources(pair[1])
+    points = [dict(p) for p in sweep["points"]]
+    points[1] = {**points[1], "after": None, "refused": "float32[256,2,4,128] at shardlint/examples/"
+                 "steps.py:110 has a second dimension that grows with the number of tokens"}
+    text = render_html(before, after, sweep={"axis": sweep["axis"], "points": points},
+                       title="shardlint.examples.steps:make_step")
+    path = tmp_path_factory.mktemp("layout") / "report.html"
+    path.write_text(text.replace("</body>", _BOXES + "</body>"), encoding="utf-8")
+    return path
+
+
+@pytest.mark.parametrize("width", [1280, 1400, 1920])
+def test_no_text_overlaps_and_every_cut_text_can_be_read(laid_out_page, parse, tmp_path, width):
+    import json
+
+    proc = _chromium(tmp_path, f"--window-size={width},2000", "--virtual-time-budget=10000",
+                     "--dump-dom", f"file://{laid_out_page}")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    boxes = json.loads(parse(proc.stdout).find("body").attrs["data-boxes"])
+    assert boxes["width"] == width and boxes["texts"] > 500
+    assert boxes["overlaps"] == [], f"at {width} px these texts are drawn over each other: {boxes['overlaps'][:5]}"
+    assert [c for c in boxes["cut"] if not c["reachable"]] == [], "cut off with no tooltip or scroll"
+    # The source column shows its whole text, line number included.
+    assert [c for c in boxes["cut"] if "td.mono.src" in c["where"]] == []
+    assert boxes["outside"] == [], f"graph labels outside their node's box: {boxes['outside'][:5]}"

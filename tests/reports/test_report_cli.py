@@ -7,6 +7,7 @@ the command's wiring whatever state the rewrite is in.
 
 from __future__ import annotations
 
+import json
 
 import pytest
 
@@ -27,7 +28,8 @@ def test_report_with_rewrite_and_sweep(parse, tmp_path, capsys):
     code = main(["report", TARGET, "--mesh", "data=2,context=4", "--sweep", "context=2,4",
                  "--out", str(out)])
     assert code == 0  # the rewritten step has no findings
-    err = capsys.readouterr().err
+    captured = capsys.readouterr()
+    err, capsys_out = captured.err, captured.out
     assert "wrote" in err
     # The mesh point is rewritten and verified; the one new sweep point (context=4 is
     # reused) is rewritten without running it.
@@ -40,6 +42,42 @@ def test_report_with_rewrite_and_sweep(parse, tmp_path, capsys):
     chart = page.find("svg", **{"class": "chart"})
     assert sorted(int(c.attrs["data-x"]) for c in chart.find_all("circle", data_series="after")) == [2, 4]
     assert page.find("h1").text() == TARGET
+    # the summary the demo prints, with the page's own figures
+    findings = f"{_side(page, 'findings', 'before')} -> {_side(page, 'findings', 'after')}"
+    gathers = f"{_side(page, 'all-gathers', 'before')} ("
+    summary = capsys_out.splitlines()
+    assert summary[0] == f"shardlint report: {TARGET} on mesh data=2,context=4"
+    assert f"  findings:        {findings}" in summary
+    assert summary[2].startswith(f"  all-gathers:     {gathers}") and " -> 0 (0 B/device)" in summary[2]
+    assert "  context sweep (temp memory per device, before -> after):" in summary
+    assert [line.split(":")[0].strip() for line in summary if line.startswith("    context=")] == ["context=2", "context=4"]
+    assert any(line.startswith("  fixed: reshape at shardlint/examples/steps.py:") for line in summary)
+    assert summary[-1] == f"  report: {out}"
+
+
+def test_a_refused_rewrite_still_writes_the_page_and_marks_each_point(parse, tmp_path, capsys):
+    """The capacity step's rewrite is refused wherever the tokens are sharded (its capacity
+    couples all of them): at the report's own point and at context=2 of the sweep. The page
+    and the data are written all the same; each refusal is said with its reason."""
+    out, data = tmp_path / "report.html", tmp_path / "data.json"
+    code = main(["report", "shardlint.examples.steps:make_capacity_step", "--mesh", "data=2,context=4",
+                 "--sweep", "context=2,4", "--out", str(out), "--json", str(data)])
+    captured = capsys.readouterr()
+    assert code == 1, captured.err   # the step as it is keeps its findings
+    doc = json.loads(data.read_text())
+    reasons = {p["value"]: p["refused"] for p in doc["sweep"]["points"]}
+    assert set(reasons) == {2, 4} and all("grows with the number of tokens" in r for r in reasons.values())
+    assert all(p["after"] is None for p in doc["sweep"]["points"]) and doc["after"] is None
+    page = parse(out.read_text(encoding="utf-8"))
+    for value, why in reasons.items():
+        assert page.find("p", data_refused_at=str(value)).text() == f"The rewrite was refused at context={value}: {why}"
+    assert page.find(id="rewrite-note").text().startswith("The rewrite was refused: ")
+    summary = captured.out.splitlines()
+    assert summary[1].startswith("  findings:        ") and "->" not in summary[1]
+    assert summary[4].startswith("  rewrite refused: ") and "grows with the number of tokens" in summary[4]
+    points = [line for line in summary if line.startswith("    context=")]
+    assert [p.split(":")[0].strip() for p in points] == ["context=2", "context=4"]
+    assert all(p.endswith(" -> rewrite refused") for p in points)
 
 
 def test_report_without_rewrite_is_a_single_analysis(parse, tmp_path):

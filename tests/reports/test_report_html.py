@@ -209,3 +209,73 @@ def test_merged_collectives_show_a_short_shape_with_the_whole_one_in_the_title(p
         assert cells[c.shape] == f"{parts[0]}, {parts[1]}, … ({len(parts)} arrays)"
     assert shape_text("f32[4,64,16]") == "f32[4,64,16]"
     assert shape_text("f32[2], s32[4], f32[]") == "f32[2], s32[4], f32[]"
+
+
+def _count_text(element) -> str:
+    return "".join(element.text().split())
+
+
+def test_the_nav_counts_are_the_cards_figures(page, pair, parse):
+    before, after = pair
+    for figure, of in (("findings", lambda a: len(a.findings)), ("collectives", lambda a: len(a.collectives))):
+        nav = _count_text(page.find("nav").find(data_figure=f"nav-{figure}"))
+        card = _count_text(page.find(**{"class": "card", "data-figure": figure}).find(**{"class": "values"}))
+        assert nav == card == f"{of(before)}→{of(after)}"
+    single = parse(render_html(before, root=ROOT))
+    assert _count_text(single.find("nav").find(data_figure="nav-collectives")) == str(len(before.collectives))
+
+
+def test_the_free_at_the_peak_column_is_explained_beside_it(page):
+    for table in page.find_all("table", **{"class": "grid peak-table"}):
+        header = next(th for th in table.find_all("th") if th.text() == "free at the peak")
+        assert "no buffer holds at the peak" in header.attrs["title"]
+    explained = page.find(data_explains="free at the peak").text()
+    assert explained.startswith("Free at the peak: of a line's bytes, those no buffer holds at the peak.")
+
+
+def test_padding_is_worded_for_the_platform_that_compiled(page_text, pair):
+    from shardlint.analyzer._peak import _PADDING_WHY
+
+    before, _ = pair
+    padding = [b for b in before.memory.peak_buffers if b.op == "padding"]
+    assert before.platform == "cpu" and padding   # XLA:CPU aligns its buffers too
+    assert all("XLA:CPU places each buffer at a 64-byte-aligned offset" in b.op_path for b in padding)
+    assert "TPU compiler" not in page_text
+    assert "TPU compiler" in _PADDING_WHY["tpu"]
+
+
+def test_graph_labels_are_shown_whole(page, pair):
+    before, _ = pair
+    nodes = {n.id: n for f in before.findings for n in f.neighbourhood.nodes}
+    drawn = page.find_all("g", data_node=True)
+    assert drawn
+    for g in drawn:
+        node = nodes[g.attrs["data-node"]]
+        shown = "".join(t.text() for t in g.find_all("text"))
+        assert "…" not in shown
+        assert "".join(shown.split()) == "".join(f"{node.op}{node.id}{node.shape}".split())
+
+
+def test_a_refused_sweep_point_is_marked_with_its_reason(pair, sweep, parse):
+    from shardlint.reports import format_sweep
+    from shardlint.reports._data import report_data
+
+    points = [dict(p) for p in sweep["points"]]
+    why = "float32[256,2,4,128] has a second dimension that grows with the number of tokens"
+    points[1] = {**points[1], "after": None, "refused": why}
+    refused = {"axis": sweep["axis"], "points": points}
+    page = parse(render_html(*pair, sweep=refused, root=ROOT))
+    value = points[1]["value"]
+    cell = page.find("tr", data_sweep_value=str(value)).find("td", data_series="after")
+    assert cell.text() == "refused" and cell.attrs["title"] == why
+    note = page.find("p", data_refused_at=str(value))
+    assert note.text() == f"The rewrite was refused at context={value}: {why}"
+    doc = report_data(*pair, refused)
+    assert [p["refused"] for p in doc["sweep"]["points"]] == [None, why, None]
+    assert doc["sweep"]["points"][1]["after"] is None
+    embedded = json.loads(page.find("script", id="shardlint-analysis").text())
+    assert [p["refused"] for p in embedded["sweep"]["points"]] == [None, why, None]
+    text = format_sweep(refused, title="t")
+    row = next(line for line in text.splitlines() if line.strip().startswith(f"{value} "))
+    assert row.split()[-2:] == ["refused", "-"]
+    assert f"the rewrite was refused at context={value}: {why}" in text

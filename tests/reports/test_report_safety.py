@@ -64,7 +64,7 @@ def test_user_strings_are_escaped_and_inert(pair, parse, tmp_path):
     assert page.find("title").text() == f"shardlint report: {EVIL}"
     table = page.find("table", id="collectives-table")
     assert any(td.attrs.get("title", "").startswith(EVIL + " (") for td in table.find_all("td", **{"class": "path"}))
-    assert IMG in [td.text() for td in table.find_all("td", **{"class": "mono"})]
+    assert IMG in [td.text() for td in table.find_all("td", **{"class": "mono shape"})]
 
     # the JSON keeps the strings and cannot close its script
     raw = page.find("script", id="shardlint-analysis").text()

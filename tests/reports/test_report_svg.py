@@ -77,3 +77,32 @@ def test_ideal_lines_that_coincide_are_drawn_once():
                                        "after": [(1, 1001), (2, 500), (4, 260)]})
     assert svg.count("<polyline") == 3  # before, after, one shared ideal
     assert 'data-series="ideal"' in svg and "ideal-before" not in svg
+
+
+@pytest.mark.parametrize("op, node_id, shape", [
+    ("reshape", "reshape.0", "f32[8,256,64] P('data', 'context', None)"),
+    ("get-tuple-element", "top_k.1", "f32[2048,2] P('data', None)"),
+    ("parameter", "params__w_in__.0", "f32[8,64,128] P(None, None, None)"),
+])
+def test_node_labels_wrap_whole_inside_the_box(op, node_id, shape):
+    from shardlint.reports._svg import _CHARS, node_label
+
+    lines = node_label(op, node_id, shape)
+    runs = [run for line in lines for run in line]
+    assert "".join(text for _, text in runs).replace(" ", "") == (op + node_id + shape).replace(" ", "")
+    assert [text for css, text in runs if css == "op"] == [op]
+    assert all(len(text) <= _CHARS for css, text in runs if css == "shape")
+    svg = neighbourhood_svg(Neighbourhood(nodes=(GraphNode(id=node_id, op=op, shape=shape, source=None,
+                                                            focus=True),), edges=()))
+    assert svg.count("<text ") == len(lines) and "…" not in svg
+
+
+def test_a_label_too_long_for_the_box_is_cut_and_whole_in_its_title():
+    from shardlint.reports._svg import _MAX_LINES, node_label
+
+    shape = ", ".join(["f32[4096,64]"] * 12)
+    lines = node_label("all-reduce", "all-reduce.5", shape)
+    assert len(lines) == _MAX_LINES and lines[-1][-1][1].endswith("…")
+    svg = neighbourhood_svg(Neighbourhood(nodes=(GraphNode(id="all-reduce.5", op="all-reduce", shape=shape,
+                                                            source=None, focus=True),), edges=()))
+    assert f"<title>all-reduce all-reduce.5\n{shape}</title>" in svg
