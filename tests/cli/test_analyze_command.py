@@ -100,7 +100,7 @@ def test_rewrite_flag_fixes_the_step_and_refuses_what_is_unsafe(capsys, tmp_path
     assert doc["findings"] == [] and not [c for c in doc["collectives"] if c["kind"] == "all-gather"]
     code = main(["analyze", "shardlint.examples.steps:make_capacity_step", "--mesh", "data=2,context=4", "--rewrite"])
     err = capsys.readouterr().err.strip().splitlines()
-    assert code == 2 and "grows with the number of tokens" in err[-1]
+    assert code == 2 and "cumsum over the token dimension at shardlint/examples/steps.py:108 couples all tokens" in err[-1]
 
 
 OWN_MESH_TARGET = textwrap.dedent('''

@@ -66,7 +66,7 @@ def test_a_refused_rewrite_still_writes_the_page_and_marks_each_point(parse, tmp
     assert code == 1, captured.err   # the step as it is keeps its findings
     doc = json.loads(data.read_text())
     reasons = {p["value"]: p["refused"] for p in doc["sweep"]["points"]}
-    assert set(reasons) == {2, 4} and all("grows with the number of tokens" in r for r in reasons.values())
+    assert set(reasons) == {2, 4} and all("couples all tokens" in r for r in reasons.values())
     assert all(p["after"] is None for p in doc["sweep"]["points"]) and doc["after"] is None
     page = parse(out.read_text(encoding="utf-8"))
     for value, why in reasons.items():
@@ -74,7 +74,7 @@ def test_a_refused_rewrite_still_writes_the_page_and_marks_each_point(parse, tmp
     assert page.find(id="rewrite-note").text().startswith("The rewrite was refused: ")
     summary = captured.out.splitlines()
     assert summary[1].startswith("  findings:        ") and "->" not in summary[1]
-    assert summary[4].startswith("  rewrite refused: ") and "grows with the number of tokens" in summary[4]
+    assert summary[4].startswith("  rewrite refused: ") and "couples all tokens" in summary[4]
     points = [line for line in summary if line.startswith("    context=")]
     assert [p.split(":")[0].strip() for p in points] == ["context=2", "context=4"]
     assert all(p.endswith(" -> rewrite refused") for p in points)
