@@ -7,6 +7,7 @@ so that a JAX upgrade has one place to look.
 from __future__ import annotations
 
 import contextlib
+import warnings
 
 import jax
 
@@ -76,6 +77,19 @@ def parse_mlir_module(text: str):
 def set_mesh(mesh):
     """`jax.set_mesh(mesh)` as a context manager (public since JAX 0.7)."""
     return jax.set_mesh(mesh)
+
+
+@contextlib.contextmanager
+def legacy_mesh(mesh):
+    """`with mesh:`, the resource environment pjit-era code reads (bare PartitionSpecs in
+    `pjit`'s shardings, `pxla.thread_resources`), which `jax.set_mesh` does not set. JAX
+    0.10.2 through 0.12.1 still honour it and warn (DeprecationWarning) on entering: the
+    warning is about the user's code, which asked for this context, so it is not repeated."""
+    with contextlib.ExitStack() as stack:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            stack.enter_context(mesh)
+        yield
 
 
 def no_ambient_mesh():

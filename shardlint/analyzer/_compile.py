@@ -10,6 +10,9 @@ what the code asked for) and what XLA's partitioner logged on C++ stderr. The du
 restricted to the propagation pass so the overhead over a bare compile stays small (see
 benchmarks/analysis_overhead.py).
 
+The step is lowered as `jax.jit(step).lower(*args)` lowers it, with no mesh in context
+unless it needs one (`_lower`), and compiled in the same context.
+
 The compile never touches JAX's persistent compilation cache: its key ignores the dump
 options, so a hit would skip the passes whose output the analysis reads.
 """
@@ -25,12 +28,12 @@ import jax
 from jax.sharding import NamedSharding
 
 from .. import _interrupt, _jax
-from .._errors import AnalysisError, first_line
+from .._errors import AnalysisError
 from ._devices import MeshInfo
 from ._dump import PROPAGATION_PASSES, DumpedModule, read_dump
 from ._jaxpr import grouped_matmul_sources
+from ._lower import lower_as_jit
 from ._model import Memory
-from ._stack import user_line
 from ._stablehlo import Asked, asked_for
 from ._topology import check_libtpu, topology_of
 from ._xla_log import Remat, captured_stderr, involuntary_rematerializations
@@ -85,17 +88,13 @@ def compile_step(fn: Callable, args: tuple, mesh=None, progress=None,
     topology = topology_of(mesh.devices.flat)
     if topology is not None:
         check_libtpu()  # a mismatched libtpu fails inside the compiler with a RET_CHECK
+    lowering = lower_as_jit(fn, args, mesh, progress)
+    traced, lowered = lowering.traced, lowering.lowered
+    asked = asked_for(lowered.compiler_ir("stablehlo"))
     dump_dir = tempfile.mkdtemp(prefix="shardlint-")
     _interrupt.register(dump_dir, "tree")   # XLA may still write into it after Ctrl-C
     try:
-        with _jax.set_mesh(mesh):
-            try:
-                traced = _jax.trace(fn, args)
-                lowered = traced.lower()
-                asked = asked_for(lowered.compiler_ir("stablehlo"))
-            except Exception as e:  # the user's code raised while tracing
-                raise AnalysisError(f"tracing the step failed{user_line(e)}: {type(e).__name__}: "
-                                    f"{first_line(e)}") from e
+        with lowering.enter():
             if progress:
                 progress(f"compiling for {info.num_devices} devices on mesh {info.as_dict()}"
                          + (f" with the TPU compiler for {topology}" if topology else ""))

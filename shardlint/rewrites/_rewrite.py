@@ -50,7 +50,7 @@ def rewrite(step: Callable, mesh, *, verify: bool | None = None, args: tuple | N
     from array sizes (a mean's 1/T) keep their global values. So by default (`verify=None`)
     a step rewritten that way is checked whenever it can be: both versions run once on
     random inputs of `args`' shapes and shardings, and a `RewriteError` is raised if any
-    output differs beyond float32 tolerance. Not with per-shard capacity (it drops other
+    output differs beyond a tolerance the step's own dtypes set (`verify_same`). Not with per-shard capacity (it drops other
     tokens by design) nor on devices that only compile (a TPU topology); `verify=True`
     insists, `verify=False` skips. The result behaves like a jitted function (`__call__`, `trace`, `lower`);
     `result.changed` says whether anything was rewritten (known once built for some
