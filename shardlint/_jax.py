@@ -129,15 +129,31 @@ def user_frame(eqn) -> tuple[str, int] | None:
 
 
 @contextlib.contextmanager
-def as_traced(eqn):
+def as_traced(eqn, *, its_mesh: bool = True):
     """Binds made inside carry `eqn`'s source location, name stack and context (the
     `user_context` and `name_stack` of `source_info_util`, private), so a replayed
-    equation still points at the user's line in the compiled program."""
+    equation still points at the user's line in the compiled program. `its_mesh=False`
+    keeps the abstract mesh in context instead of the one the equation was traced under
+    (its `JaxprEqnContext.cur_abstract_mesh`, private; the same slot in JAX 0.10.2 through
+    0.12): inside a `shard_map` the mesh's axes are manual, and an equation traced under
+    `jax.set_mesh` would bring back the Auto mesh."""
     from jax._src import source_info_util
 
+    ctx = eqn.ctx if its_mesh else _with_current_mesh(eqn.ctx)
     name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
-    with source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack), eqn.ctx.manager:
+    with source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack), ctx.manager:
         yield
+
+
+def _with_current_mesh(ctx):
+    """A copy of a `JaxprEqnContext` whose abstract mesh is the one in context now (its
+    fields differ between JAX versions: each slot is copied as it is)."""
+    copy = object.__new__(type(ctx))
+    for slot in type(ctx).__slots__:
+        if slot != "__weakref__" and hasattr(ctx, slot):
+            object.__setattr__(copy, slot, getattr(ctx, slot))
+    object.__setattr__(copy, "cur_abstract_mesh", jax.sharding.get_abstract_mesh())
+    return copy
 
 
 def open_jaxpr(closed) -> tuple[object, list]:

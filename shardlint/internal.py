@@ -25,6 +25,7 @@ _LENT = {
     "normalize_op_path": "shardlint.analyzer._op_paths",
     "primitive_of": "shardlint.analyzer._collectives",
     "mesh_of": "shardlint.analyzer._compile",
+    "in_context_as_jit": "shardlint.analyzer._lower",
     "parameter_argnums": "shardlint.analyzer._compile",
     "topology_devices": "shardlint.analyzer._topology",
     "topology_mesh": "shardlint.analyzer._topology",

@@ -41,6 +41,15 @@ class Lowering:
     enter: Callable[[], ContextManager]   # enters that context again (for the compile)
 
 
+@dataclasses.dataclass(frozen=True)
+class InContext:
+    """What `make` gave in the mesh context the step needs, and that context."""
+
+    made: Any
+    context: str                     # how the mesh was in context, in words
+    enter: Callable[[], ContextManager]   # enters that context again
+
+
 NO_MESH = "no mesh in context"
 SET_MESH = "jax.set_mesh(mesh)"
 WITH_MESH = "`with mesh:`"
@@ -50,33 +59,48 @@ def lower_as_jit(fn: Callable, args: tuple, mesh, progress: Callable[[str], None
     """The step lowered as `jax.jit(fn).lower(*args)` lowers it with no mesh in context,
     or inside the mesh context the step needs (module docstring); raises AnalysisError
     naming what each context raised when none lowers it."""
+
+    def make():
+        traced = _jax.trace(fn, args)
+        return traced, traced.lower()
+
+    found = in_context_as_jit(make, mesh, lambda pair: pair[1].as_text(), progress, "lower")
+    (traced, lowered) = found.made
+    return Lowering(traced, lowered, found.context, found.enter)
+
+
+def in_context_as_jit(make: Callable[[], Any], mesh, text: Callable[[Any], str],
+                      progress: Callable[[str], None] | None = None, verb: str = "trace") -> InContext:
+    """`make()` (a trace or a lowering of the step) with no mesh in context, or inside the
+    mesh context the step needs (module docstring): where `text` of what it makes differs
+    inside `jax.set_mesh(mesh)`, the step read the mesh in context and that is what counts.
+    Raises AnalysisError naming what each context raised when none makes it."""
     say = progress or (lambda message: None)
     contexts = {NO_MESH: contextlib.nullcontext, SET_MESH: lambda: _jax.set_mesh(mesh),
                 WITH_MESH: lambda: _jax.legacy_mesh(mesh)}
     failures: dict[str, Exception] = {}
-    plain = _lower(fn, args, NO_MESH, contexts[NO_MESH], failures)
+    plain = _make(make, NO_MESH, contexts[NO_MESH], failures)
     if plain is not None:
-        meshed = _lower(fn, args, SET_MESH, contexts[SET_MESH], {})
-        if meshed is None or meshed.lowered.as_text() == plain.lowered.as_text():
+        meshed = _make(make, SET_MESH, contexts[SET_MESH], {})
+        if meshed is None or text(meshed.made) == text(plain.made):
             return plain
-        say(f"the step lowers to another program inside {SET_MESH} than with {NO_MESH} (it reads "
-            f"the mesh in context): analyzing it as lowered inside {SET_MESH}")
+        say(f"the step {verb}s to another program inside {SET_MESH} than with {NO_MESH} (it reads "
+            f"the mesh in context): taken as {verb}d inside {SET_MESH}")
         return meshed
     for name in (SET_MESH, WITH_MESH):
-        lowering = _lower(fn, args, name, contexts[name], failures)
-        if lowering is not None:
+        found = _make(make, name, contexts[name], failures)
+        if found is not None:
             error = failures[NO_MESH]
-            say(f"the step does not lower with {NO_MESH} ({type(error).__name__}: {first_line(error)}): "
-                f"lowered inside {name}")
-            return lowering
+            say(f"the step does not {verb} with {NO_MESH} ({type(error).__name__}: {first_line(error)}): "
+                f"{verb}d inside {name}")
+            return found
     raise _none_lowers(failures) from failures[NO_MESH]
 
 
-def _lower(fn, args, name: str, enter, failures: dict[str, Exception]) -> Lowering | None:
+def _make(make, name: str, enter, failures: dict[str, Exception]) -> InContext | None:
     try:
         with enter():
-            traced = _jax.trace(fn, args)
-            return Lowering(traced, traced.lower(), name, enter)
+            return InContext(make(), name, enter)
     except Exception as e:  # the user's code (or JAX on its behalf) raised while tracing
         failures[name] = e
         return None

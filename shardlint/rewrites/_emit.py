@@ -130,5 +130,5 @@ class _Emitter:
 def _summed(value, token_axes, eqn):
     """A shard's part of a sum over tokens, summed across the shards; the psum points at
     the line of the equation that made it (the user's, not this module's)."""
-    with _jax.as_traced(eqn):
+    with _jax.as_traced(eqn, its_mesh=False):
         return jax.lax.psum(value, token_axes)

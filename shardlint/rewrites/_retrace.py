@@ -113,7 +113,7 @@ class ShardBinder:
 
     def bind(self, eqn, invals: list) -> list:
         name = eqn.primitive.name
-        with _jax.as_traced(eqn):
+        with _jax.as_traced(eqn, its_mesh=False):
             if name in ANNOTATIONS:
                 return list(invals)
             sub = sub_of(eqn)
@@ -158,21 +158,22 @@ class ShardBinder:
         return list(out)
 
 
-def shard_shapes(closed, avals, divided: dict[str, int], *, capacity: bool = False) -> ShardShapes:
+def shard_shapes(closed, avals, divided: dict[str, int], *, capacity: bool = False, mesh=None) -> ShardShapes:
     """The shape every value of `closed` (a ClosedJaxpr at global shapes, bodies included) has
     when its inputs have `avals`: those of one shard. `divided`: the mesh axes the inputs are
     divided over, with their sizes (for a user's shard_map: its results are divided so
-    too). `capacity`: per-shard capacity (see the module docstring)."""
+    too). `capacity`: per-shard capacity (see the module docstring). `mesh`: the step's, for
+    the shard_maps the step makes over a mesh of its own."""
     graph = _Graph(closed.jaxpr, closed.consts)
     literals: dict = {}
     for _ in range(_ATTEMPTS):
-        shape_pass = _ShapePass(graph, literals, {}, divided, capacity)
+        shape_pass = _ShapePass(graph, literals, {}, divided, capacity, mesh)
         try:
             jax.eval_shape(lambda *xs: shape_pass.run(closed.jaxpr, closed.consts, xs), *avals)
         except _Meets as meets:
             graph.rebuild(meets, shape_pass.shapes)
             continue
-        stand_ins = _from_configuration(closed.jaxpr, graph.stand_ins)
+        stand_ins = _from_configuration(closed.jaxpr, graph.stand_ins) | graph.placeholders
         return ShardShapes(shape_pass.shapes, dict(graph.sizes), dict(literals), shape_pass.folds,
                            stand_ins, frozenset(shape_pass.unsettled), dict(graph.opaque))
     raise Unfit(f"its values did not settle at one shard's shapes in {_ATTEMPTS} passes")
@@ -190,9 +191,9 @@ class _ShapePass(ShardBinder):
     """The binder run once over the whole jaxpr, for the shapes: it records them, follows
     guessed splits and running totals, and does not stop where an op cannot bind."""
 
-    def __init__(self, graph, literals: dict, folds: dict, divided: dict[str, int], capacity: bool):
+    def __init__(self, graph, literals: dict, folds: dict, divided: dict[str, int], capacity: bool, mesh):
         super().__init__(graph.sizes, literals, folds)
-        self.graph, self.divided, self.capacity = graph, divided, capacity
+        self.graph, self.divided, self.capacity, self.mesh = graph, divided, capacity, mesh
         self.shapes: dict = {}    # Var -> its shape on one shard
         self.guesses: dict = {}   # Var -> the split whose guessed shape it has
         self.unsettled: set = set()   # splits not met by a value of a known shape yet
@@ -250,15 +251,15 @@ class _ShapePass(ShardBinder):
     def _placeholders(self, eqn) -> list:
         """Results of the shapes they are made at, or that a user's shard_map gives them on
         one shard, or else their global ones: shapes, not contents."""
-        shapes = (_declared_shapes(eqn, self.divided) if eqn.primitive.name == "shard_map"
+        shapes = (_declared_shapes(eqn, self.divided, self.mesh) if eqn.primitive.name == "shard_map"
                   else [self.sizes.get(v, v.aval.shape) for v in eqn.outvars])
         return [jnp.zeros(s, v.aval.dtype) for v, s in zip(eqn.outvars, shapes)]
 
     def _made_as_met(self, var, value):
         """A result the pass must make at the size it is met with, but cannot make from its
-        operands (a stand-in): a placeholder of that size."""
+        operands: a placeholder of that size."""
         shape = self.sizes.get(var)
-        if var in self.graph.stand_ins and shape is not None and np.shape(value) != shape:
+        if var in self.graph.placeholders and shape is not None and np.shape(value) != shape:
             return jnp.zeros(shape, var.aval.dtype)
         return value
 
@@ -335,19 +336,43 @@ def _made_at_any_size(value) -> bool:
         for d, n in enumerate(value.shape))
 
 
-def _declared_shapes(eqn, divided: dict[str, int]) -> list[tuple]:
+def _declared_shapes(eqn, divided: dict[str, int], mesh) -> list[tuple]:
     """A user's shard_map's results on one shard: each dimension its out_specs split over
-    divided axes is split so (each device's block is the same; the body is not entered)."""
-    mesh_sizes = dict(eqn.params["mesh"].shape)
+    divided axes is split so (each device's block is the same; the body is not entered).
+    Its mesh may be the library's own, with other axis names or several of the step's axes
+    folded into one: an axis laid over the same devices as some of the step's is those."""
+    step_axes = _same_devices(eqn.params["mesh"], mesh)
     shapes = []
     for v, spec in zip(eqn.outvars, eqn.params["out_specs"]):
         shape = list(v.aval.shape)
         for d, entry in enumerate(tuple(spec)[:len(shape)]):
-            factor = math.prod(mesh_sizes.get(a, 1) for a in as_axes(entry) if a in divided)
+            names = [b for a in as_axes(entry) for b in step_axes.get(a, (a,))]
+            factor = math.prod(divided.get(b, 1) for b in names)
             if factor > 1 and shape[d] % factor == 0:
                 shape[d] //= factor
         shapes.append(tuple(shape))
     return shapes
+
+
+def _same_devices(own, mesh) -> dict[str, tuple[str, ...]]:
+    """Each axis of a shard_map's own mesh as the step's mesh axes it is laid over: where
+    both hold the same devices in the same order, an axis of one is a run of consecutive
+    axes of the other (`dp`, `sp` are `data`, `context`; an `expert` axis over all eight
+    devices is `data` and `context` folded). {} where they hold other devices."""
+    if mesh is None or list(own.devices.flat) != list(mesh.devices.flat):
+        return {}
+    step = [(name, size) for name, size in mesh.shape.items() if size > 1]
+    found, k = {}, 0
+    for name, size in own.shape.items():
+        run, product = [], 1
+        while product < size and k < len(step):
+            run.append(step[k][0])
+            product *= step[k][1]
+            k += 1
+        if product != size:
+            return {}
+        found[name] = tuple(run)
+    return found
 
 
 def _from_configuration(jaxpr, stand_ins: set) -> frozenset:
@@ -386,7 +411,11 @@ class _Graph:
 
     def __init__(self, jaxpr, consts):
         self.sizes: dict = {}     # Var -> the shape its per-shard value is made at
+        # constants sliced to a shard's size: the first shard's content, not each one's
         self.stand_ins: set = set()
+        # results made at the size they are met with, not from their operands: a shape, no
+        # content (the region reads the real value where it reads one)
+        self.placeholders: set = set()
         self.opaque: dict = {}    # id(eqn) -> why it does not bind at one shard's shapes
         self.producer: dict = {}
         self.constants: dict = {}  # constvar -> its value
@@ -408,20 +437,20 @@ class _Graph:
     def unbound(self, eqn, why: str) -> None:
         """`eqn` does not bind at one shard's shapes: its results are placeholders from now on."""
         self.opaque[id(eqn)] = why
-        self.stand_ins.update(eqn.outvars)
+        self.placeholders.update(eqn.outvars)
 
     def rebuild(self, meets: _Meets, shapes: dict) -> None:
         """Makes each value the op met at its shape in the next pass (`shapes`: this
         pass's), rebuilding what it is made from. Where that cannot be (a value that would
         have two sizes, or is still not what it meets), the op that met them gives
         placeholders from then on."""
-        sizes, stand_ins = dict(self.sizes), set(self.stand_ins)
+        sizes, stand_ins, placeholders = dict(self.sizes), set(self.stand_ins), set(self.placeholders)
         done: set = set()
         try:
             for var, shape in meets.resized.items():
                 self._rebuild(var, shape, shapes, done)
         except Unfit as e:
-            self.sizes, self.stand_ins = sizes, stand_ins
+            self.sizes, self.stand_ins, self.placeholders = sizes, stand_ins, placeholders
             self.unbound(meets.eqn, str(e))
 
     def _rebuild(self, var, shape: tuple, shapes: dict, done: set) -> None:
@@ -442,7 +471,7 @@ class _Graph:
         try:
             sources = self._sources(var, shape, shapes)
         except Unfit:   # what it is made from cannot give that size: a placeholder of it
-            self.stand_ins.add(var)
+            self.placeholders.add(var)
             return
         for source, wanted in sources:
             if shapes.get(source) != wanted:

@@ -11,6 +11,7 @@ itself against the original on random inputs.
 
 from __future__ import annotations
 
+import contextlib
 import traceback as tb
 import warnings
 from typing import Callable
@@ -79,12 +80,13 @@ def rewrite(step: Callable, mesh, *, verify: bool | None = None, args: tuple | N
             _build_or_refuse(result, args)   # says what it rewrote, or that nothing was
         if result.changed is False:
             warn_unchanged(result.notes[-1], stacklevel=3)
+    context = getattr(getattr(result, "inner", result), "traced_in", contextlib.nullcontext)
     if verify and result.changed:
         if args is None:
             raise RewriteError("verify=True needs args= to build inputs of the real shapes")
-        verify_same(step, result, args, progress=progress)
+        verify_same(step, result, args, progress=progress, context=context)
     elif verify is None and result.changed and _checkable(result, args, per_shard, progress):
-        verify_same(step, result, args, progress=progress)
+        verify_same(step, result, args, progress=progress, context=context)
     return result
 
 

@@ -11,6 +11,7 @@ jitted as the original was (`_jitted`). A step with nothing to rewrite runs as i
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import warnings
 from typing import Callable
@@ -49,6 +50,8 @@ class RewrittenStep(JittedStep):
         self.progress = progress or (lambda message: None)
         self.notes: list[str] = []
         self.changed: bool | None = None   # known once built for some arguments
+        # the mesh context the step's Python needs to trace, as jax.jit traces it (`_trace`)
+        self.traced_in: Callable = contextlib.nullcontext
 
     # The step was traced without a mesh in context, and its equations are replayed the
     # same way: an ambient mesh (the analyzer sets one) would type the replayed values
@@ -70,6 +73,7 @@ class RewrittenStep(JittedStep):
         axes = tokens.axes
         traces = trace_step(self.step, args, dataclasses.replace(tokens, params_argnums=self.params_argnums),
                             self.mesh, per_shard_capacity=self.per_shard_capacity)
+        self.traced_in = traces.context
         plan = plan_regions(traces, axes, seed_lines=lost.lines if lost else frozenset(),
                             per_shard_capacity=self.per_shard_capacity)
         if not plan.top.changed:

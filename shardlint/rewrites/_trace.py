@@ -19,8 +19,9 @@ same shardings and donation.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from typing import Callable
+from typing import Callable, ContextManager
 
 import jax
 from jax.sharding import NamedSharding
@@ -29,7 +30,7 @@ from jax.sharding import PartitionSpec as P
 from .._errors import RewriteError, first_line
 from .._token_axes import TokenAxes, as_axes, degree
 from .._wrapped import unwrap
-from ..internal import parameter_argnums
+from ..internal import in_context_as_jit, parameter_argnums
 from ._jitted import jit_equation
 from ._retrace import ShardShapes, shard_shapes
 from ._shard_shapes import Unfit
@@ -42,6 +43,7 @@ class Traces:
     by_seq: ShardShapes           # ... with only the sequence divided
     out_tree: object              # the step's output pytree
     jit_eqn: object | None        # a pre-jitted step's own jit equation
+    context: Callable[[], ContextManager] = contextlib.nullcontext   # the mesh context it was traced in
 
     @property
     def stand_ins(self) -> frozenset:
@@ -84,8 +86,12 @@ def trace_step(step: Callable, args: tuple, tokens: Tokens, mesh, *, per_shard_c
         return leaves_out
 
     abstract = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in flat]
-    global_jaxpr = jax.make_jaxpr(flat_fn)(*abstract)
-    jit_eqn = jit_equation(step, args)
+    # In the mesh context jax.jit needs for the step, as the analysis lowers it: a step that
+    # reads the mesh in context (linen's logical constraints) traces to its constraints there.
+    found = in_context_as_jit(lambda: jax.make_jaxpr(flat_fn)(*abstract), mesh, str)
+    global_jaxpr = found.made
+    with found.enter():
+        jit_eqn = jit_equation(step, args)
     axes = tokens.axes
     data = token_leaves(args, tokens, mesh, global_jaxpr.out_avals)
     nb = degree(mesh, axes.batch)
@@ -95,14 +101,14 @@ def trace_step(step: Callable, args: tuple, tokens: Tokens, mesh, *, per_shard_c
     by_seq = [_shrunk(x, s, axes, 1, ns) if d else a for x, s, d, a in zip(flat, specs, data, abstract)]
     sizes = dict(mesh.shape)
     return Traces(global_jaxpr,
-                  _shapes(global_jaxpr, local, {a: sizes[a] for a in axes.all}, per_shard_capacity),
-                  _shapes(global_jaxpr, by_seq, {a: sizes[a] for a in axes.seq}, per_shard_capacity),
-                  out_tree[0], jit_eqn)
+                  _shapes(global_jaxpr, local, {a: sizes[a] for a in axes.all}, per_shard_capacity, mesh),
+                  _shapes(global_jaxpr, by_seq, {a: sizes[a] for a in axes.seq}, per_shard_capacity, mesh),
+                  out_tree[0], jit_eqn, found.enter)
 
 
-def _shapes(global_jaxpr, avals, divided, per_shard_capacity) -> ShardShapes:
+def _shapes(global_jaxpr, avals, divided, per_shard_capacity, mesh) -> ShardShapes:
     try:
-        return shard_shapes(global_jaxpr, avals, divided, capacity=per_shard_capacity)
+        return shard_shapes(global_jaxpr, avals, divided, capacity=per_shard_capacity, mesh=mesh)
     except Unfit as e:
         raise RewriteError(f"the step's values do not settle at one shard's shapes ({first_line(e)}); "
                            "pass batch_axes=/seq_axes= naming fewer axes, or report it with this "

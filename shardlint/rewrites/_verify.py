@@ -30,8 +30,9 @@ measures the rewrite rather than float32 cancellation in exploding sums.
 from __future__ import annotations
 
 import dataclasses
+import contextlib
 import math
-from typing import Callable
+from typing import Callable, ContextManager
 
 import jax
 import jax.numpy as jnp
@@ -117,13 +118,15 @@ def _inner_jaxprs(values):
 
 
 def verify_same(original: Callable, rewritten: Callable, args, *, rtol: float | None = None,
-                atol: float | None = None, max_bytes: int = 2 << 30, progress=None) -> bool:
+                atol: float | None = None, max_bytes: int = 2 << 30, progress=None,
+                context: Callable[[], ContextManager] = contextlib.nullcontext) -> bool:
     """Runs both on random inputs of `args`' shapes and shardings; raises RewriteError
     naming each output that differs, by how much and against what tolerance.
 
     The tolerance is derived from the step (`tolerance_of`); `rtol`/`atol` fix it instead
     (float32's 1e-5 for the one not given, no allowance for a lower precision). Returns
-    False (and says so) when the inputs would not fit in `max_bytes`.
+    False (and says so) when the inputs would not fit in `max_bytes`. `context`: the mesh
+    context the original is traced in (the one `jax.jit` needs for it, `_trace`).
     """
     leaves = jax.tree_util.tree_leaves(args)
     total = sum(math.prod(x.shape) * getattr(x.dtype, "itemsize", 8) for x in leaves)
@@ -132,12 +135,13 @@ def verify_same(original: Callable, rewritten: Callable, args, *, rtol: float | 
             progress(f"skipping verification: inputs need {total / 2**30:.1f} GiB")
         return False
     fixed = rtol is not None or atol is not None
-    tolerance = (Tolerance(FLOAT32_RTOL if rtol is None else rtol, FLOAT32_ATOL if atol is None else atol)
-                 if fixed else tolerance_of(original, args))
-    if progress:
-        progress(f"verifying the rewrite on random inputs ({tolerance.words()})")
-    # Fresh inputs for each run (the same values): a step may donate its arguments.
-    want = as_jitted(original)(*random_like(args))
+    with context():
+        tolerance = (Tolerance(FLOAT32_RTOL if rtol is None else rtol, FLOAT32_ATOL if atol is None else atol)
+                     if fixed else tolerance_of(original, args))
+        if progress:
+            progress(f"verifying the rewrite on random inputs ({tolerance.words()})")
+        # Fresh inputs for each run (the same values): a step may donate its arguments.
+        want = as_jitted(original)(*random_like(args))
     got = as_jitted(rewritten)(*random_like(args))
     bad = []
     for (path, w), g in zip(jax.tree_util.tree_leaves_with_path(want), jax.tree_util.tree_leaves(got)):

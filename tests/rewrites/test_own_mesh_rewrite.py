@@ -9,8 +9,10 @@ from __future__ import annotations
 import jax
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
 
 import shardlint
+from shardlint.rewrites._subjaxprs import sub_of
 from shardlint.rewrites._verify import random_like
 from support import own_mesh_steps as own
 
@@ -45,3 +47,30 @@ def test_a_moe_already_per_shard_on_a_folded_expert_mesh_is_left_as_it_is(mesh):
     want, got = jax.jit(fn)(*random_like(args)), fixed(*random_like(args))
     for w, g in zip(jax.tree_util.tree_leaves(want), jax.tree_util.tree_leaves(got)):
         np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
+
+def test_a_step_that_reads_the_mesh_in_context_is_rewritten_with_its_constraints(mesh):
+    """Linen's logical constraint is a no-op with no mesh in context: the step is traced
+    for the rewrite as jax.jit traces it where the analysis found it reads the mesh, so the
+    rewritten step keeps the constraint the user wrote outside the routed region."""
+    pytest.importorskip("flax")
+    fn, args = own.make_logical_constraint_moe_step(mesh)
+    fixed = shardlint.rewrite(fn, mesh, args=args, verify=True)
+    assert fixed.changed
+    with jax.set_mesh(mesh):
+        want = _constraints(jax.make_jaxpr(fn)(*args).jaxpr)
+    assert want == [P("data", "context", None)]
+    assert _constraints(jax.make_jaxpr(fixed)(*args).jaxpr) == want
+    assert shardlint.analyze(fixed, *args).findings == ()
+
+
+def _constraints(jaxpr) -> list:
+    """The specs of the sharding constraints in a jaxpr and the bodies it calls."""
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "sharding_constraint":
+            found.append(eqn.params["sharding"].spec)
+        sub = sub_of(eqn)
+        if sub is not None:
+            found += _constraints(sub.jaxpr)
+    return found

@@ -106,19 +106,26 @@ def test_an_nnx_jit_loop_compiles_once_and_trains_as_the_original(mesh):
 
 def test_other_shardings_of_the_same_shapes_get_their_own_build(mesh):
     """Sequence sharded over context: the flatten loses it, and the step is rewritten. The
-    same shapes with the batch over both axes and the sequence whole: nothing is lost, and
-    the step must run as it is rather than inside the first plan's shard_map."""
+    same shapes replicated: nothing is lost, and the step must run as it is rather than
+    inside the first plan's shard_map. With the batch over both axes and the sequence whole,
+    the sort and top_k lose both: a plan of its own, per shard over both as batch axes."""
     step, args = cause_steps.make_scanned_layers_step(mesh)
     fixed = shardlint.rewrite(step, mesh, args=args)
     params, x = args
-    other = (params, jax.ShapeDtypeStruct(x.shape, x.dtype,
-                                          sharding=NamedSharding(mesh, P(("data", "context"), None, None))))
+
+    def sharded(spec):
+        return params, jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, spec))
+
     with pytest.warns(shardlint.NothingToRewrite):
-        lowered = fixed.lower(*other)
+        lowered = fixed.lower(*sharded(P()))
     assert "shard_map" not in lowered.as_text() and "manual" not in lowered.as_text()
     assert fixed.lower(*args).as_text().count("manual") > 0
-    real = random_like(other)
-    _assert_close(fixed(*real), jax.jit(step)(*real))
+    batch_only = sharded(P(("data", "context"), None, None))
+    assert fixed.lower(*batch_only).as_text().count("manual") > 0
+    assert fixed.notes[-1] == "rewrote 2 routed region(s) to run per shard over data, context"
+    for other in (sharded(P()), batch_only):
+        real = random_like(other)
+        _assert_close(fixed(*real), jax.jit(step)(*real))
 
 
 def test_the_rewritten_step_behaves_as_a_jitted_function(mesh):

@@ -136,3 +136,18 @@ def make_explicit_reshard_step(mesh):
         return x_BSD @ params["w_gate"]
 
     return _loss_step(model), (_moe_params(mesh), _batch(mesh))
+
+
+def make_logical_constraint_moe_step(mesh):
+    """Flax linen's logical constraint on the routed MoE's input (batch over data, length
+    over context: a no-op where no mesh is in context), then the MoE that loses it."""
+    import flax.linen as nn
+
+    rules = (("batch", "data"), ("length", "context"), ("embed", None))
+
+    def model(params, x_BSD):
+        with nn.logical_axis_rules(rules):
+            x_BSD = nn.with_logical_constraint(x_BSD, ("batch", "length", "embed"))  # <- logical before moe
+        return routed_moe(params, x_BSD, TOP_K)
+
+    return _loss_step(model), (_moe_params(mesh), _batch(mesh))
