@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from .. import _jax
-from ._retrace import ShardBinder
+from ._binder import ShardBinder
 
 
 class Builders:

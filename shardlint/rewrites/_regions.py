@@ -34,7 +34,7 @@ from ._builders import Builders
 from ._groups import Group, boundaries, convex_groups
 from ._flow import consumers_of, variables
 from ._grow import Grower
-from ._retrace import ShardBinder
+from ._binder import ShardBinder
 from ._subjaxprs import carries, sub_of
 from ._trace import Traces
 

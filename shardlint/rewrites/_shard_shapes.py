@@ -12,6 +12,7 @@ import math
 import numpy as np
 
 from .. import _jax
+from .._token_axes import as_axes
 from ._subjaxprs import sub_of
 
 # Results shaped like their first operand whatever the others' sizes.
@@ -206,3 +207,42 @@ def _segments(global_in, global_out):
             else:
                 raise Unfit(f"a reshape of {tuple(global_in)} to {tuple(global_out)} has no segments")
         yield i0, i, j0, j
+
+
+def declared_shapes(eqn, divided: dict[str, int], mesh) -> list[tuple]:
+    """A user's shard_map's results on one shard: each dimension its out_specs split over
+    divided axes is split so (each device's block is the same; the body is not entered).
+    Its mesh may be the library's own, with other axis names or several of the step's axes
+    folded into one: an axis laid over the same devices as some of the step's is those."""
+    step_axes = _same_devices(eqn.params["mesh"], mesh)
+    shapes = []
+    for v, spec in zip(eqn.outvars, eqn.params["out_specs"]):
+        shape = list(v.aval.shape)
+        for d, entry in enumerate(tuple(spec)[:len(shape)]):
+            names = [b for a in as_axes(entry) for b in step_axes.get(a, (a,))]
+            factor = math.prod(divided.get(b, 1) for b in names)
+            if factor > 1 and shape[d] % factor == 0:
+                shape[d] //= factor
+        shapes.append(tuple(shape))
+    return shapes
+
+
+def _same_devices(own, mesh) -> dict[str, tuple[str, ...]]:
+    """Each axis of a shard_map's own mesh as the step's mesh axes it is laid over: where
+    both hold the same devices in the same order, an axis of one is a run of consecutive
+    axes of the other (`dp`, `sp` are `data`, `context`; an `expert` axis over all eight
+    devices is `data` and `context` folded). {} where they hold other devices."""
+    if mesh is None or list(own.devices.flat) != list(mesh.devices.flat):
+        return {}
+    step = [(name, size) for name, size in mesh.shape.items() if size > 1]
+    found, k = {}, 0
+    for name, size in own.shape.items():
+        run, product = [], 1
+        while product < size and k < len(step):
+            run.append(step[k][0])
+            product *= step[k][1]
+            k += 1
+        if product != size:
+            return {}
+        found[name] = tuple(run)
+    return found
