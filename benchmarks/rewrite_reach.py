@@ -43,8 +43,8 @@ ROWS = {
     "FSDP weights over `data`": (rewrite_steps.make_fsdp_moe_step, {}, {}),
     "top_k + scatter into `[batch, seq, experts]`, no flatten": (cause_steps.make_scatter_dispatch_step, {}, {}),
     "the same in `lax.scan` over 4 layers, no remat": (rewrite_steps.make_scanned_scatter_step, {}, {}),
-    "GShard capacity (cumsum over the sequence), `capacity=\"per-shard\"`":
-        (rewrite_steps.make_gshard_step, {}, {"capacity": "per-shard"}),
+    "GShard capacity (cumsum over the sequence), `capacity=\"per-shard\"` (capacity factor 4: nothing drops)":
+        (rewrite_steps.make_gshard_step, {"capacity_factor": 4.0}, {"capacity": "per-shard"}),
     "MaxText-style capacity masks (a constraint asking for the whole sequence before the cumsum, "
     "dispatch `BSM,BSEC -> EBCM`), `capacity=\"per-shard\"`":
         (rewrite_steps.make_maxtext_capacity_step, {}, {"capacity": "per-shard"}),
