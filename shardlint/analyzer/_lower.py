@@ -64,18 +64,20 @@ def lower_as_jit(fn: Callable, args: tuple, mesh, progress: Callable[[str], None
         traced = _jax.trace(fn, args)
         return traced, traced.lower()
 
-    found = in_context_as_jit(make, mesh, lambda pair: pair[1].as_text(), progress, "lower")
+    found = in_context_as_jit(make, mesh, lambda pair: pair[1].as_text(), progress, ("lower", "lowered"))
     (traced, lowered) = found.made
     return Lowering(traced, lowered, found.context, found.enter)
 
 
 def in_context_as_jit(make: Callable[[], Any], mesh, text: Callable[[Any], str],
-                      progress: Callable[[str], None] | None = None, verb: str = "trace") -> InContext:
+                      progress: Callable[[str], None] | None = None,
+                      verb: tuple[str, str] = ("trace", "traced")) -> InContext:
     """`make()` (a trace or a lowering of the step) with no mesh in context, or inside the
     mesh context the step needs (module docstring): where `text` of what it makes differs
     inside `jax.set_mesh(mesh)`, the step read the mesh in context and that is what counts.
     Raises AnalysisError naming what each context raised when none makes it."""
     say = progress or (lambda message: None)
+    (verb, done) = verb
     contexts = {NO_MESH: contextlib.nullcontext, SET_MESH: lambda: _jax.set_mesh(mesh),
                 WITH_MESH: lambda: _jax.legacy_mesh(mesh)}
     failures: dict[str, Exception] = {}
@@ -85,14 +87,14 @@ def in_context_as_jit(make: Callable[[], Any], mesh, text: Callable[[Any], str],
         if meshed is None or text(meshed.made) == text(plain.made):
             return plain
         say(f"the step {verb}s to another program inside {SET_MESH} than with {NO_MESH} (it reads "
-            f"the mesh in context): taken as {verb}d inside {SET_MESH}")
+            f"the mesh in context): taken as {done} inside {SET_MESH}")
         return meshed
     for name in (SET_MESH, WITH_MESH):
         found = _make(make, name, contexts[name], failures)
         if found is not None:
             error = failures[NO_MESH]
             say(f"the step does not {verb} with {NO_MESH} ({type(error).__name__}: {first_line(error)}): "
-                f"{verb}d inside {name}")
+                f"{done} inside {name}")
             return found
     raise _none_lowers(failures) from failures[NO_MESH]
 

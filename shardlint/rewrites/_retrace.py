@@ -120,15 +120,22 @@ class _ShapePass(ShardBinder):
     def bind(self, eqn, invals: list) -> list:
         if self.capacity:
             self._per_shard_capacity(eqn, invals)
+        known = lambda a: a not in self.guesses   # noqa: E731
         if id(eqn) in self.graph.opaque or eqn.primitive.name == "shard_map":
             outs = self._placeholders(eqn)
         else:
+            # An elementwise op whose operands shrank apart may still bind where a shard's
+            # dimension is 1 (one batch row per device): JAX broadcasts it. They meet all
+            # the same.
+            resized = mend(eqn, invals, known_first=known) if elementwise(eqn) else {}
+            if resized:
+                raise Meets(eqn, resized)
             try:
                 outs = super().bind(eqn, invals)
             except Meets:
                 raise
             except Exception as error:   # JAX refusing these shapes, in whatever words
-                resized = mend(eqn, invals, known_first=lambda a: a not in self.guesses)
+                resized = mend(eqn, invals, known_first=known)
                 if resized:
                     raise Meets(eqn, resized) from None
                 self.graph.unbound(eqn, f"{type(error).__name__}: {first_line(error)}")

@@ -118,7 +118,9 @@ def test_explicit_axes_reshard_is_analyzed_inside_set_mesh():
 def test_a_step_no_mesh_context_lowers_names_each_failure_and_the_way_out(capsys):
     assert main(["analyze", "support.own_mesh_steps:make_no_context_fits_step", "--mesh", MESH]) == 2
     (line,) = capsys.readouterr().err.strip().splitlines()[-1:]
-    assert line.startswith("shardlint: error: tracing the step failed: RuntimeError: pjit requires a non-empty mesh")
+    at = f"tests/support/own_mesh_steps.py:{_line('no context fits')} in model (return halve(double(x_BSD))"
+    assert line.startswith(f"shardlint: error: tracing the step failed at {at}")
+    assert "): RuntimeError: pjit requires a non-empty mesh" in line
     assert "inside `with mesh:`: ValueError: The context mesh cannot be empty" in line
     assert "No mesh context lowers it" in line and "NamedSharding(mesh, spec)" in line
 
@@ -131,5 +133,7 @@ def test_a_broken_step_says_its_error_once(mesh):
 
     with pytest.raises(shardlint.AnalysisError) as info:
         shardlint.analyze(broken, *args)
-    assert str(info.value).startswith("tracing the step failed: TypeError: dot_general")
+    broken_line = broken.__code__.co_firstlineno + 1
+    assert str(info.value).startswith(f"tracing the step failed at tests/analyzer/test_own_mesh.py:{broken_line} "
+                                      "in broken (return x @ x # shapes do not match): TypeError: dot_general")
     assert "inside" not in str(info.value) and "No mesh context" not in str(info.value)

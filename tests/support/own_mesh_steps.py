@@ -121,7 +121,7 @@ def make_no_context_fits_step(mesh):
     halve = jax.shard_map(lambda x: x / 2, in_specs=P("data"), out_specs=P("data"))
 
     def model(params, x_BSD):
-        return halve(double(x_BSD)) @ params["w_gate"]
+        return halve(double(x_BSD)) @ params["w_gate"]  # <- no context fits
 
     return _loss_step(model), (_moe_params(mesh), _batch(mesh))
 
