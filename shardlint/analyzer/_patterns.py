@@ -15,7 +15,8 @@ import collections
 
 import networkx as nx
 
-from ._graph import dims_of, node_of, operand_of
+from ._dataflow import MOVES
+from ._graph import dims_of, node_of, operand_of, reshape_groups
 from ._ops import JAXPR_LAYOUT, SAME_DIMS, WEIGHT_PATH_OPCODES
 
 GROUPED_MATMUL_PRIMITIVES = ("ragged_dot_general", "ragged_dot", "gmm", "tgmm")
@@ -85,9 +86,15 @@ def _leading_dim_after(layout_eqns) -> int | None:
 
 
 def feeds_grouped_matmul(graph: nx.DiGraph, start: str) -> bool:
-    """Whether the value flows on to a grouped matmul before it is un-flattened again."""
+    """Whether the op's result reaches a grouped matmul along the routed layer's own path:
+    on through the ops that route, order, count or re-lay tokens; through a contraction only
+    where it is a dispatch, whose result reaches the expert matmul by layout ops alone (the
+    capacity dispatch `bsd,bsec->ebcd`); never past a reshape that splits the tokens back
+    into (batch, seq). Attention's K and V reach the next layer's experts only through its
+    own contractions and the residual stream: they feed none."""
     operand = operand_of(graph, start, 0)
-    leading = dims_of(graph, operand[0], operand[1]) if operand else ()
+    dims = dims_of(graph, operand[0], operand[1]) if operand else ()
+    batch_seq = tuple(dims[:2]) if len(dims) >= 3 else None   # flattened tokens: not known
     seen, queue = {start}, collections.deque([start])
     while queue:
         node = queue.popleft()
@@ -97,11 +104,44 @@ def feeds_grouped_matmul(graph: nx.DiGraph, start: str) -> bool:
             seen.add(user)
             if is_grouped_matmul(graph, user):
                 return True
-            out = dims_of(graph, user, 0)
-            if (node_of(graph, user).opcode == "reshape" and len(leading) > 1
-                    and out[: len(leading) - 1] == leading[: len(leading) - 1]):
+            opcode = node_of(graph, user).opcode
+            if opcode == "reshape" and _unflattens(graph, user, batch_seq):
                 continue  # reshaped back to (batch, seq, ...): the token region ends here
+            if _contracts(graph, user) and not _dispatches(graph, user):
+                continue
             queue.append(user)
+    return False
+
+
+def _contracts(graph, node: str) -> bool:
+    """A dot that sums over a dimension, or a convolution (a dot that contracts nothing is
+    a broadcast product: the backward of a combine `tkd,tk->td`)."""
+    data = node_of(graph, node)
+    if data.opcode == "convolution":
+        return True
+    return data.opcode == "dot" and bool(data.instr.lhs_contracting_dims or data.instr.rhs_contracting_dims)
+
+
+def _unflattens(graph, reshape: str, batch_seq: tuple[int, int] | None) -> bool:
+    """The reshape splits a dimension of batch x seq elements back into (batch, seq)."""
+    operand = operand_of(graph, reshape, 0)
+    if operand is None or batch_seq is None:
+        return False
+    before, after = dims_of(graph, *operand), dims_of(graph, reshape, 0)
+    return any(len(ins) == 1 and before[ins[0]] == batch_seq[0] * batch_seq[1]
+               and tuple(after[j] for j in outs if after[j] > 1)[:2] == batch_seq
+               for ins, outs in reshape_groups(before, after))
+
+
+def _dispatches(graph, dot: str, hops: int = 4) -> bool:
+    """The contraction's result reaches a grouped matmul through ops that only move it."""
+    frontier, seen = [dot], {dot}
+    for _ in range(hops):
+        frontier = [u for n in frontier for u in graph.successors(n) if u not in seen]
+        seen.update(frontier)
+        if any(is_grouped_matmul(graph, u) for u in frontier):
+            return True
+        frontier = [u for u in frontier if node_of(graph, u).opcode in MOVES]
     return False
 
 
