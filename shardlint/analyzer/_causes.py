@@ -174,24 +174,24 @@ def _nearby(key: tuple, graph, stacks, radius: int = 3) -> frozenset:
 
 def _partitioner_findings(collectives, dropped_by, graph, stacks) -> list[Finding]:
     """One finding per op the partitioner could not split, for the lost collectives that no
-    propagation drop explains: grouped by the op that needed them (its stack), forward and
-    backward apart."""
+    propagation drop explains: grouped by the op that needed them (its stack and op path:
+    forward and backward apart, and the named scopes of layers that share their lines)."""
     groups: dict[tuple, list[Collective]] = {}
     for c in collectives:
         if c.cause == Cause.LOST and c.id not in dropped_by:
-            groups.setdefault((c.needed_by, stack_key(c.stack), is_backward(c.op_path)), []).append(c)
+            groups.setdefault((c.needed_by, stack_key(c.stack), c.op_path), []).append(c)
     findings = []
-    for (op, key, backward), members in groups.items():
-        node = _node_for(graph, stacks, key, op, backward) if graph is not None else None
+    for (op, key, path), members in groups.items():
+        node = _node_for(graph, stacks, key, op, path) if graph is not None else None
         op_path = node_of(graph, node).op_path if node is not None else members[0].op_path
         findings.append(_finding(op or members[0].kind, op_path, members, graph, node))
     return findings
 
 
-def _node_for(graph, stacks, key, op, backward: bool) -> str | None:
+def _node_for(graph, stacks, key, op, op_path: str) -> str | None:
     """The propagated op that needed the collectives: at their reader's stack, preferring
-    the op in the same direction (forward or backward) whose JAX name or opcode is the one
-    that needed them."""
+    the op of that op path, then one in the same direction (forward or backward), whose
+    JAX name or opcode is the one that needed them."""
     candidates = list(stacks.get(key, ()))
     if not candidates:
         return None
@@ -199,8 +199,8 @@ def _node_for(graph, stacks, key, op, backward: bool) -> str | None:
 
     def rank(n):
         data = node_of(graph, n)
-        return (is_backward(data.op_path) != backward, primitive_of(data.op_path) != op,
-                data.opcode != opcode, n)
+        return (data.op_path != op_path, is_backward(data.op_path) != is_backward(op_path),
+                primitive_of(data.op_path) != op, data.opcode != opcode, n)
 
     return min(candidates, key=rank)
 
