@@ -40,7 +40,7 @@ from ._detect import describe, neighbourhood
 from ._graph import dims_of, node_of, sharding_of, source_of, stack_key
 from ._hlo import HloModule
 from ._op_paths import is_backward, primitive_of
-from ._ops import NEEDS_WHOLE, TOKEN_PRIMITIVES, WRITTEN_COLLECTIVES
+from ._ops import NEEDS_WHOLE, TOKEN_PRIMITIVES, WRITTEN_COLLECTIVES, lowered_to
 from ._patterns import feeds_grouped_matmul
 from ._model import Collective, Finding, Requested, Source
 from ._stablehlo import Asked
@@ -190,17 +190,18 @@ def _partitioner_findings(collectives, dropped_by, graph, stacks) -> list[Findin
 
 def _node_for(graph, stacks, key, op, op_path: str) -> str | None:
     """The propagated op that needed the collectives: at their reader's stack, preferring
-    the op of that op path, then one in the same direction (forward or backward), whose
-    JAX name or opcode is the one that needed them."""
+    the op whose JAX name is the one that needed them, of an opcode it lowers to (not a
+    constant XLA labelled with it), of that op path, then in the same direction (forward
+    or backward)."""
     candidates = list(stacks.get(key, ()))
     if not candidates:
         return None
-    opcode = op.replace("_", "-")
+    opcodes = lowered_to(op)
 
     def rank(n):
         data = node_of(graph, n)
-        return (data.op_path != op_path, is_backward(data.op_path) != is_backward(op_path),
-                primitive_of(data.op_path) != op, data.opcode != opcode, n)
+        return (primitive_of(data.op_path) != op, data.opcode not in opcodes, data.op_path != op_path,
+                is_backward(data.op_path) != is_backward(op_path), n)
 
     return min(candidates, key=rank)
 

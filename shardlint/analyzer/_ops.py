@@ -102,6 +102,13 @@ def opcodes(role: Role) -> frozenset[str]:
     return frozenset(name for op in OPS if role in op.hlo_roles for name in op.hlo)
 
 
+def lowered_to(primitive: str) -> frozenset[str]:
+    """The HLO opcodes a JAX primitive lowers to (`scatter-add` -> `scatter`), as listed here;
+    for a primitive not listed, its name with '-' for '_' (`reduce_precision`)."""
+    found = frozenset(name for op in OPS if primitive in op.jax for name in op.hlo)
+    return found or frozenset({primitive.replace("_", "-")})
+
+
 NEEDS_WHOLE = primitives(Role.WHOLE)
 TOKEN_PRIMITIVES = primitives(Role.TOKENS)
 TOKEN_OPCODES = opcodes(Role.TOKENS)

@@ -125,6 +125,11 @@ MAXTEXT_TOP_K = _line_of(rewrite_steps.maxtext_capacity_moe, "jax.lax.top_k")
     ("cause:make_capacity_cumsum_step", "cause_steps.py",
      [CAPACITY_TOP_K, cause_steps.marker_line("cumsum")], True),
     ("rewrite:make_maxtext_capacity_step", "rewrite_steps.py", [MAXTEXT_TOP_K], True),
+    # dense dispatch without capacity: every expert runs on every token, top_k and the
+    # scatter only weight the combine after the expert matmuls (a forward op is followed
+    # through the forward pass only; the backward's matmuls are reached by every value)
+    ("cause:make_scatter_dispatch_step", "cause_steps.py",
+     [_line_of(cause_steps._scatter_moe, "jax.lax.top_k"), cause_steps.marker_line("scatter")], False),
 ], ids=lambda v: v.split(":")[-1] if isinstance(v, str) and ":" in v else None)
 def test_feeds_a_grouped_matmul_only_along_the_routed_path(step, file_end, lines, feeds, mesh):
     analysis = _analysis(step, mesh)
