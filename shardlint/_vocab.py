@@ -44,6 +44,38 @@ class CollectiveKind(enum.StrEnum):
     COLLECTIVE_BROADCAST = "collective-broadcast"
 
 
+def verb_of(kind: str) -> str:
+    """What a collective does to a value, as findings word it: an all-gather `gathered` it;
+    an all-to-all, a permute or a broadcast `moved` it (shards change place, nothing is
+    gathered); an all-reduce or reduce-scatter `reduced` it."""
+    if kind == CollectiveKind.ALL_GATHER:
+        return "gathered"
+    if kind in (CollectiveKind.ALL_REDUCE, CollectiveKind.REDUCE_SCATTER):
+        return "reduced"
+    return "moved"
+
+
+def words(collectives) -> tuple[tuple[str, tuple[str, ...]], ...]:
+    """(verb, axes) for what these collectives (records with `kind` and `axes`) do, each verb
+    once, in the order gathered, moved, reduced."""
+    axes: dict[str, list[str]] = {"gathered": [], "moved": [], "reduced": []}
+    for c in collectives:
+        axes[verb_of(c.kind)].extend(c.axes)
+    return tuple((verb, tuple(dict.fromkeys(over))) for verb, over in axes.items() if over)
+
+
+def present(verb: str) -> str:
+    """`gathered` -> `gathers`: a verb of `words` in the present tense."""
+    return {"gathered": "gathers", "moved": "moves", "reduced": "reduces"}[verb]
+
+
+def said(pairs, present_tense: bool = False) -> str:
+    """`gathered over data and moved over context` (pairs from `words`); `present_tense`:
+    `gathers over data and moves over context`."""
+    return " and ".join(f"{present(verb) if present_tense else verb} over {', '.join(over)}"
+                        for verb, over in pairs)
+
+
 class ChangeState(enum.StrEnum):
     """A gate key's change against the baseline: new and grown fail the gate."""
 

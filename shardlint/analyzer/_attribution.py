@@ -1,11 +1,12 @@
 """Which collectives each propagation drop caused.
 
-XLA's own label on a collective changes across versions (JAX 0.12 labels a gathered
-argument with its name and joins merged op names with ';'), so a finding claims an
-all-gather first by that label (the same op path and line), then by what the gather is:
-over a lost axis, its per-device result is the operand with that axis gathered, and it
-is labelled (or read) next to the op. A collective a finding caused is attributed to the
-finding's op.
+XLA's own label on a collective changes across versions (JAX 0.12 labels a gather with
+the op that made the value or with an argument's name, and joins merged op names with
+';'), so a finding claims an all-gather by that label (the same op path and line), or by
+what the gather is: over a lost axis, its per-device result is the operand with that axis
+gathered, and it is labelled or read next to the op, by line and op path (the layers of a
+Python loop share their lines). Each all-gather is one finding's. A collective a finding
+caused is attributed to the finding's op: its line, stack and op path.
 """
 
 from __future__ import annotations
@@ -14,10 +15,10 @@ import dataclasses
 import math
 
 from .._vocab import CollectiveKind
-from ._collectives import transform_of
 from ._devices import MeshInfo
 from ._graph import around, dims_of, node_of, sharding_of, source_of
 from ._model import Collective
+from ._op_paths import is_backward
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -32,67 +33,94 @@ class Drop:
 
 
 def attribute(collectives, findings) -> tuple[Collective, ...]:
-    """A collective a finding caused is attributed to the finding's op (XLA's own label
-    stays in `xla_op_path`/`xla_source`)."""
+    """A collective a finding caused is attributed to the finding's op: its line, stack,
+    op path and the op that needed it are the finding's, so that the finding and its
+    collectives name one line everywhere (XLA's own label stays in
+    `xla_op_path`/`xla_source`)."""
     cause = {cid: f for f in findings for cid in f.collectives}
     return tuple(
-        dataclasses.replace(c, source=cause[c.id].source, op_path=cause[c.id].op_path)
+        dataclasses.replace(c, source=cause[c.id].source, op_path=cause[c.id].op_path,
+                            stack=cause[c.id].stack, needed_by=cause[c.id].needed_by or c.needed_by)
         if c.id in cause else c
         for c in collectives)
 
 
 def link(graph, drops: list[Drop], mesh: MeshInfo, collectives) -> dict[str, set[str]]:
-    """Which all-gathers each finding caused.
+    """Which all-gathers each finding caused; each all-gather is one finding's at most.
 
-    First by XLA's own label (the same op path and line as the finding's op); then, for
-    the rest, by what the collective is: an all-gather over a lost axis whose per-device
-    result is the operand with that axis gathered. When several findings fit, the one in
-    the same transformation (forward `jvp()` or backward `transpose(...)`) as XLA's label
-    wins, then the one on the line of the op that reads the gather.
+    A finding may claim an all-gather that XLA labelled with its op (the same op path and
+    line), or one over a lost axis whose per-device result is the operand with that axis
+    gathered and that is labelled or read next to the op: an op within two edges of it in
+    the propagated graph, by line and op path (layers of one Python loop share lines, not
+    their named scopes). Of several findings that fit, the one XLA labelled wins, then the
+    one the gather's reader sits at or after, then the one in the same direction (forward
+    or backward) as the reader, then the one whose op path shares the most with the
+    reader's; findings that fit alike (identical layers) share the gathers out in turn.
     """
     links: dict[str, set[str]] = {d.node: set() for d in drops}
-    claimed: set[str] = set()
-    for node in links:
-        data = node_of(graph, node)
-        src = source_of(graph, node)
-        for c in collectives:
-            if (c.kind == CollectiveKind.ALL_GATHER and src is not None and c.xla_source is not None
-                    and (c.xla_source.file, c.xla_source.line) == (src.file, src.line)
-                    and c.xla_op_path == data.op_path):
-                links[node].add(c.id)
-                claimed.add(c.id)
     wanted = {d.node: _gathered_shape(graph, d.operand, d.element, d.lost, mesh) for d in drops}
-    near = {node: nearby_lines(graph, node) for node in links}
+    near = {d.node: _keys(graph, around(graph, d.node, 2)) for d in drops}
+    after = {d.node: _keys(graph, _downstream(graph, d.node, 3)) for d in drops}
+    order = {d.node: i for i, d in enumerate(drops)}
     for c in collectives:
-        if c.kind != CollectiveKind.ALL_GATHER or c.id in claimed:
+        if c.kind != CollectiveKind.ALL_GATHER:
             continue
-        fits = [d.node for d in drops if set(c.axes) & set(d.lost) and c.shape == wanted[d.node]
-                and _labelled_near(c, near[d.node])]
+        label = _keys_of(c.xla_source, c.xla_op_path)
+        reader = _keys_of(c.source, c.op_path)
+        fits = [d.node for d in drops if _labelled_at(graph, d.node, c) or (
+            set(c.axes) & set(d.lost) and c.shape == wanted[d.node]
+            and (c.xla_source is None or label & near[d.node] or reader & near[d.node]))]
         if not fits:
             continue
 
         def preference(node):
-            data = node_of(graph, node)
-            same_transform = transform_of(data.op_path) == transform_of(c.xla_op_path)
-            src = source_of(graph, node)
-            same_line = src is not None and c.source is not None and src.line == c.source.line
-            return (not same_transform, not same_line)
+            op_path = node_of(graph, node).op_path
+            return (not _labelled_at(graph, node, c), not reader & after[node],
+                    is_backward(op_path) != is_backward(c.op_path),
+                    -_common_prefix(op_path, c.op_path), len(links[node]), order[node])
 
         links[min(fits, key=preference)].add(c.id)
     return links
 
 
-def nearby_lines(graph, node, radius: int = 2) -> set[tuple[str, int]]:
-    """Source lines of the ops within `radius` edges of `node` (producers and users)."""
-    return {(s.file, s.line) for s in (source_of(graph, n) for n in around(graph, node, radius))
-            if s is not None}
+def _labelled_at(graph, node, c: Collective) -> bool:
+    """XLA labelled the all-gather with this op: the same op path and line."""
+    src = source_of(graph, node)
+    return (c.kind == CollectiveKind.ALL_GATHER and src is not None and c.xla_source is not None
+            and (c.xla_source.file, c.xla_source.line) == (src.file, src.line)
+            and c.xla_op_path == node_of(graph, node).op_path)
 
 
-def _labelled_near(c: Collective, lines: set[tuple[str, int]]) -> bool:
-    """XLA's label has no source (an argument's name), or it or the collective's reader
-    sits next to the op: an all-gather labelled elsewhere belongs to someone else."""
-    return c.xla_source is None or any(
-        s is not None and (s.file, s.line) in lines for s in (c.xla_source, c.source))
+def _keys(graph, nodes) -> set[tuple[str, int, str]]:
+    """(file, line, op path) of these ops of the propagated graph."""
+    return {k for n in nodes for k in _keys_of(source_of(graph, n), node_of(graph, n).op_path)}
+
+
+def _keys_of(source, op_path: str) -> set[tuple[str, int, str]]:
+    """An op's (file, line, op path), once per op XLA merged into it (JAX 0.12 joins their
+    names with ';')."""
+    if source is None:
+        return set()
+    return {(source.file, source.line, part) for part in op_path.split(";") if part}
+
+
+def _downstream(graph, node, radius: int) -> set[str]:
+    """The op and the ops within `radius` edges after it."""
+    seen, frontier = {node}, [node]
+    for _ in range(radius):
+        frontier = [u for n in frontier for u in graph.successors(n) if u not in seen]
+        seen.update(frontier)
+    return seen
+
+
+def _common_prefix(a: str, b: str) -> int:
+    """How many leading '/' parts two op paths share."""
+    n = 0
+    for x, y in zip(a.split("/"), b.split("/")):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 def _gathered_shape(graph, operand, element, lost, mesh: MeshInfo) -> str:

@@ -33,30 +33,22 @@ import dataclasses
 
 import networkx as nx
 
-from .._vocab import Cause, CollectiveKind, FindingKind
-from ._collectives import primitive_of
+from .._vocab import Cause, CollectiveKind, FindingKind, present, verb_of, words
 from ._dataflow import Provenance
+from ._attribution import attribute
 from ._detect import describe, neighbourhood
 from ._graph import dims_of, node_of, sharding_of, source_of, stack_key
 from ._hlo import HloModule
-from ._ops import NEEDS_WHOLE, TOKEN_PRIMITIVES, WRITTEN_COLLECTIVES
+from ._op_paths import is_backward, primitive_of
+from ._ops import NEEDS_WHOLE, TOKEN_PRIMITIVES, WRITTEN_COLLECTIVES, lowered_to
 from ._patterns import feeds_grouped_matmul
 from ._model import Collective, Finding, Requested, Source
 from ._stablehlo import Asked
 from ._stack import user_sources, user_stack
+from ._wayout import resharded_way_out, unsplit_way_out
 from ._xla_log import Remat
 
 _REDUCTIONS = {CollectiveKind.ALL_REDUCE, CollectiveKind.REDUCE_SCATTER}
-_UNSPLITTABLE_WAY_OUT = (
-    "{op} cannot be split along the sharded dimension, so XLA's partitioner gathers its "
-    "inputs over {axes}: compute it per shard inside jax.shard_map over the axes that shard "
-    "batch and sequence (for MoE routing, `shardlint analyze --rewrite` does that where the "
-    "op feeds the experts: top_k, the scatter into [batch, seq, experts], sort; a cumsum over "
-    "tokens with --per-shard-capacity), or keep the dimension it works along unsharded")
-_RESHARDED_WAY_OUT = (
-    "{op} can run sharded, but an operand arrives sharded along another dimension than the "
-    "one {op} is computed along, so XLA's partitioner moves it over {axes}: shard the operands "
-    "alike where they are made (a sharding constraint on the one that differs)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,7 +77,9 @@ def explain(collectives: tuple[Collective, ...], module: HloModule, flow: Proven
             used_asks.add(ask)
         explained.append(dataclasses.replace(c, cause=cause))
     findings = list(drops)  # already lost, at their op, with per-step bytes (_detect.py)
-    findings += _partitioner_findings(explained, dropped_by, graph, stacks)
+    partitioned = _partitioner_findings(explained, dropped_by, graph, stacks)
+    explained = list(attribute(explained, partitioned))   # each names its finding's line
+    findings += partitioned
     findings += _remat_findings(remats, graph)
     requested = tuple(dict.fromkeys(
         a.requested for a in asks if not a.listed_when_used or a in used_asks))
@@ -180,39 +174,44 @@ def _nearby(key: tuple, graph, stacks, radius: int = 3) -> frozenset:
 
 def _partitioner_findings(collectives, dropped_by, graph, stacks) -> list[Finding]:
     """One finding per op the partitioner could not split, for the lost collectives that no
-    propagation drop explains: grouped by the op XLA labelled them with."""
+    propagation drop explains: grouped by the op that needed them (its stack and op path:
+    forward and backward apart, and the named scopes of layers that share their lines)."""
     groups: dict[tuple, list[Collective]] = {}
     for c in collectives:
         if c.cause == Cause.LOST and c.id not in dropped_by:
-            groups.setdefault((c.needed_by, stack_key(c.stack)), []).append(c)
+            groups.setdefault((c.needed_by, stack_key(c.stack), c.op_path), []).append(c)
     findings = []
-    for (op, key), members in groups.items():
-        node = _node_for(graph, stacks, key, op) if graph is not None else None
+    for (op, key, path), members in groups.items():
+        node = _node_for(graph, stacks, key, op, path) if graph is not None else None
         op_path = node_of(graph, node).op_path if node is not None else members[0].op_path
         findings.append(_finding(op or members[0].kind, op_path, members, graph, node))
     return findings
 
 
-def _node_for(graph, stacks, key, op) -> str | None:
+def _node_for(graph, stacks, key, op, op_path: str) -> str | None:
     """The propagated op that needed the collectives: at their reader's stack, preferring
-    the op whose JAX name or opcode is the one that needed them."""
+    the op whose JAX name is the one that needed them, of an opcode it lowers to (not a
+    constant XLA labelled with it), of that op path, then in the same direction (forward
+    or backward)."""
     candidates = list(stacks.get(key, ()))
     if not candidates:
         return None
-    opcode = op.replace("_", "-")
+    opcodes = lowered_to(op)
 
     def rank(n):
         data = node_of(graph, n)
-        return (primitive_of(data.op_path) != op, data.opcode != opcode, n)
+        return (primitive_of(data.op_path) != op, data.opcode not in opcodes, data.op_path != op_path,
+                is_backward(data.op_path) != is_backward(op_path), n)
 
     return min(candidates, key=rank)
 
 
 def _finding(op: str, op_path: str, members: list[Collective], graph, node) -> Finding:
-    """A finding for the lost collectives XLA's partitioner emitted for `op`: an op that
-    could run sharded but whose operand was moved to another sharding (`resharded-operand`:
-    its operands came sharded along different dimensions, or all it cost is all-to-alls),
-    else an op that needs a dimension whole (`unsplit-op`)."""
+    """A finding for the lost collectives XLA's partitioner emitted for `op`: an op whose
+    operand was moved to another sharding (`resharded-operand`: all it cost is all-to-alls,
+    which move shards and gather nothing, or it could run sharded and its operands came
+    sharded along different dimensions), else an op that needs a dimension whole
+    (`unsplit-op`)."""
     axes = tuple(dict.fromkeys(a for c in members for a in c.axes))
     first = members[0]
     stack = _stack_of(members, graph, node)
@@ -231,37 +230,44 @@ def _finding(op: str, op_path: str, members: list[Collective], graph, node) -> F
     nbytes = sum(c.step_bytes for c in members)
     loops = {c.trips for c in members if c.in_loop}
     per = f" x{loops.pop()} iterations" if len(loops) == 1 and None not in loops else ""
-    moved = (f"{len(members)} value(s) ({', '.join(c.shape for c in members[:4])}"
-             f"{', ...' if len(members) > 4 else ''} per device){per}")
-    over = ", ".join(axes)
-    # At a known op that could run sharded, two operands sharded along different dimensions
-    # in XLA's propagated module, or only all-to-alls (which move shards, never gather
-    # them): the partitioner moved an operand from one sharding to another.
+    did = "; ".join(f"{present(verb)} {_values(group)} over {', '.join(over)}"
+                    for verb, over, group in _by_verb(members)) + per
+    feeds = bool(node is not None and feeds_grouped_matmul(graph, node))
     differ = {sharding_of(graph, *pe).dims for pe in sharded}
     operands: tuple[str, ...] = ()
     could_run_sharded = op not in NEEDS_WHOLE and op != first.kind   # the kind: no op known
-    if could_run_sharded and (len(differ) > 1 or all(c.kind == CollectiveKind.ALL_TO_ALL for c in members)):
-        kind, way_out = FindingKind.RESHARDED, _RESHARDED_WAY_OUT.format(op=op, axes=over)
-        if len(differ) > 1:
+    moves_only = all(c.kind != CollectiveKind.ALL_GATHER for c in members)
+    if moves_only or (could_run_sharded and len(differ) > 1):
+        kind, way_out = FindingKind.RESHARDED, resharded_way_out(op, axes, feeds, spec)
+        if could_run_sharded and len(differ) > 1:
             operands = tuple(dict.fromkeys(describe(graph, *pe) for pe in sharded))
             message = (f"{op}'s operands ({'; '.join(operands)}) are sharded differently: XLA's "
-                       f"partitioner moves {moved} over {over} to line them up")
+                       f"partitioner {did} to line them up")
         else:
-            message = (f"XLA's partitioner moves {moved} over {over} from one sharding to another "
-                       f"to compute {op} (all-to-all)")
+            message = (f"XLA's partitioner {did} from one sharding to another to compute {op} "
+                       "(all-to-all: each device still holds one shard)")
     else:
-        kind, way_out = FindingKind.UNSPLIT, _UNSPLITTABLE_WAY_OUT.format(op=op, axes=over)
-        message = (f"{op} needs its operands whole along a dimension sharded over {over}: "
-                   f"XLA's partitioner gathers {moved} for it")
+        kind, way_out = FindingKind.UNSPLIT, unsplit_way_out(op, axes, feeds, spec)
+        message = (f"{op} needs its operands whole along a dimension sharded over {', '.join(axes)}: "
+                   f"XLA's partitioner {did} for it")
     return Finding(
-        kind=kind, op=op, axes=axes,
-        feeds_grouped_matmul=bool(node is not None and feeds_grouped_matmul(graph, node)),
+        kind=kind, op=op, axes=axes, feeds_grouped_matmul=feeds,
         source=stack[0] if stack else first.xla_source, op_path=op_path or first.op_path,
         operand_shape=operand, result_shape=result, collectives=tuple(c.id for c in members),
         bytes=nbytes, message=message, way_out=way_out,
         neighbourhood=neighbourhood(graph, node) if node is not None else None,
         operand_spec=spec, operand_dims=dims, operand_shapes=operands, cause=Cause.LOST, needed_by=op,
-        stack=stack)
+        stack=stack, backward=is_backward(op_path or first.op_path))
+
+
+def _by_verb(members: list[Collective]) -> list[tuple[str, tuple[str, ...], list[Collective]]]:
+    """(verb, axes, collectives) per verb of `_vocab.words`: gathered, then moved."""
+    return [(verb, over, [c for c in members if verb_of(c.kind) == verb]) for verb, over in words(members)]
+
+
+def _values(members: list[Collective]) -> str:
+    return (f"{len(members)} value(s) ({', '.join(c.shape for c in members[:4])}"
+            f"{', ...' if len(members) > 4 else ''} per device)")
 
 
 def _stack_of(members, graph, node) -> tuple[Source, ...]:
@@ -290,7 +296,8 @@ def _remat_findings(remats: tuple[Remat, ...], graph) -> list[Finding]:
                      "(shard the same dimensions in the same order), or reshape so the "
                      "sharded dimension stays a dimension of its own"),
             neighbourhood=neighbourhood(graph, node) if node is not None else None,
-            cause=Cause.LOST, needed_by=op, stack=stack))
+            cause=Cause.LOST, needed_by=op, stack=stack,
+            backward=is_backward(data.op_path) if data else False))
     return found
 
 

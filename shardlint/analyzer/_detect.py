@@ -18,10 +18,12 @@ import networkx as nx
 from .._vocab import FindingKind
 from ._devices import MeshInfo, Sharding
 from ._attribution import Drop, attribute, link
-from ._graph import around, dims_of, node_of, operand_of, sharding_of, source_of
+from ._graph import around, dims_of, node_of, operand_of, reshape_groups, sharding_of, source_of
 from ._stack import user_sources
 from ._model import Collective, Finding, GraphNode, Neighbourhood, Requested
+from ._op_paths import is_backward
 from ._patterns import feeds_grouped_matmul
+from ._wayout import dropped_way_out
 
 _CONSTRAINT_TARGETS = {"Sharding", "xla.sdy.ShardingConstraint"}
 _CONSTRAINT_OP_NAMES = {"sharding_constraint", "reshard"}
@@ -109,35 +111,15 @@ def _lost_axes(graph, node, op):
         had = [a for d in ins if d < len(before.dims) for a in before.dims[d]]
         kept = {a for d in outs if d < len(after.dims) for a in after.dims[d]}
         lost += [a for a in had if a not in kept and not a.startswith("?")]
+    if op != "sharding_constraint":
+        # An axis the result still carries on another dimension was moved there (by an
+        # all-to-all, which `_causes` finds at the op), not dropped. A constraint that moves
+        # one asked for the move, and is listed as asked.
+        carried = {a for axes in after.dims for a in axes}
+        lost = [a for a in lost if a not in carried]
     if not lost:
         return None
     return tuple(dict.fromkeys(lost)), operand, element
-
-
-def reshape_groups(a: tuple[int, ...], b: tuple[int, ...]) -> list[tuple[list[int], list[int]]]:
-    """Groups of operand dims and result dims whose sizes multiply to the same number."""
-    groups: list[tuple[list[int], list[int]]] = []
-    i = j = 0
-    while i < len(a) and j < len(b):
-        gi, gj = [i], [j]
-        pa, pb = a[i], b[j]
-        i, j = i + 1, j + 1
-        while pa != pb:
-            if pa < pb and i < len(a):
-                gi.append(i)
-                pa *= a[i]
-                i += 1
-            elif j < len(b):
-                gj.append(j)
-                pb *= b[j]
-                j += 1
-            else:
-                break
-        groups.append((gi, gj))
-    if groups:
-        groups[-1][0].extend(range(i, len(a)))
-        groups[-1][1].extend(range(j, len(b)))
-    return groups
 
 
 def _constrained(graph, node, asked_lines) -> bool:
@@ -163,28 +145,17 @@ def _finding(graph, node, op, lost, operand, element, feeds, ids, nbytes) -> Fin
     before = describe(graph, operand, element)
     after = describe(graph, node, 0)
     axes = ", ".join(lost)
-    what = {"reshape": "reshape", "sort": "sort", "top_k": "top_k", "cumsum": "cumsum"}.get(op, op)
-    message = (f"{what} {before} -> {after} drops mesh axis {axes}: XLA's propagated result "
+    message = (f"{op} {before} -> {after} drops mesh axis {axes}: XLA's propagated result "
                f"no longer carries it, so the operand is gathered over {axes}"
                + (" and the value flows into a grouped matmul" if feeds else ""))
-    if op == "reshape" and feeds:
-        way_out = ("flatten (batch, seq) per shard: route, sort and run the grouped matmul inside "
-                   "jax.shard_map over the axes that shard batch and sequence "
-                   "(shardlint.moe.ShardedRoutedMoE, or `shardlint analyze --rewrite`)")
-    elif op == "reshape":
-        way_out = ("keep (batch, seq) as separate dimensions (einsum over both), or flatten "
-                   "inside jax.shard_map; a merged dim keeps seq's sharding only when batch "
-                   "is fully sharded first")
-    else:
-        way_out = (f"{what} needs the whole dimension on every device: compute it per shard "
-                   "inside jax.shard_map, or over a dimension that is not sharded")
+    spec = sharding_of(graph, operand, element).dims
+    way_out = dropped_way_out(op, lost, feeds, spec)
     return Finding(kind=FindingKind.DROPPED, op=op, axes=lost, feeds_grouped_matmul=feeds,
                    source=source_of(graph, node), op_path=data.op_path, operand_shape=before,
                    result_shape=after, collectives=ids, bytes=nbytes, message=message, way_out=way_out,
-                   neighbourhood=neighbourhood(graph, node),
-                   operand_spec=sharding_of(graph, operand, element).dims,
+                   neighbourhood=neighbourhood(graph, node), operand_spec=spec,
                    operand_dims=dims_of(graph, operand, element), needed_by=op,
-                   stack=user_sources(data.instr.stack))
+                   stack=user_sources(data.instr.stack), backward=is_backward(data.op_path))
 
 
 def neighbourhood(graph, node, radius: int = 2, limit: int = 14) -> Neighbourhood:

@@ -174,6 +174,12 @@ class Instruction:
     def op_name(self) -> str:
         return _metadata_fields(self.attrs.get("metadata", "")).get("op_name", "")
 
+    @property
+    def spmd_generated(self) -> bool:
+        """XLA's partitioner inserted it (`frontend_attributes={is_spmd_generated="true"}`;
+        newer XLA, as JAX 0.12 ships, marks the copies and reshards it adds so)."""
+        return 'is_spmd_generated="true"' in self.attrs.get("frontend_attributes", "")
+
     # Typed views of the attributes detectors read.
     dimensions = _ints("dimensions")                  # sort, reduce, broadcast, all-gather, ...
     lhs_batch_dims = _ints("lhs_batch_dims")          # dot

@@ -81,6 +81,7 @@ class Finding:
     cause: Cause = Cause.LOST
     needed_by: str = ""          # the op that needed the gathers (the finding's op, or its consumer)
     stack: tuple[Source, ...] = ()
+    backward: bool = False       # the op belongs to the backward pass (a transpose)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -26,6 +26,12 @@ _WRAPPER_RE = re.compile(r"\b(" + "|".join(_WRAPPERS) + r")\(([^()]*)\)")
 FORWARD, BACKWARD = "forward", "backward"
 
 
+def is_backward(op_path: str) -> bool:
+    """The op belongs to the backward pass: its path runs under `transpose(...)`. XLA joins
+    the names of ops it merged with ';' (JAX 0.12): the first one decides."""
+    return "transpose(" in op_path.split(";", 1)[0]
+
+
 def normalize_op_path(op_path: str) -> str:
     """`jit(step)/transpose(jvp(moe/route))/reshape` -> `step/moe/route/reshape`."""
     text, previous = op_path, None
@@ -76,8 +82,28 @@ def scope_of(op_path: str) -> tuple[str, tuple[str, ...]]:
     (`backward`, (`layer_0`, `moe`, `route`)). The jitted function's name and the primitive
     are not scopes, nor an einsum's spec (`bsd,dhk->bshk`); a merged collective (one tuple
     op from several) has no single scope: ()."""
-    direction = BACKWARD if "transpose(" in op_path else FORWARD
+    direction = BACKWARD if is_backward(op_path) else FORWARD
     parts = _split_top_level(normalize_op_path(op_path), "/")
     if len(parts) < 3 or any(p.startswith("(") for p in parts):
         return direction, ()
     return direction, tuple(p for p in parts[1:-1] if "->" not in p and "," not in p)
+
+
+def primitive_of(op_path: str) -> str:
+    """The JAX primitive an op path ends in: `jit(step)/jvp()/scatter-add` -> `scatter-add`.
+
+    XLA joins the names of merged ops with ';' (JAX 0.12): the first one names it. A path
+    without '/' is an argument's name (JAX 0.12 labels a gathered argument so): no op."""
+    first = op_path.split(";", 1)[0]
+    if "/" not in first:
+        return ""
+    last = first.rsplit("/", 1)[1]
+    return last.split("(", 1)[0].strip(")") or last
+
+
+def transform_of(op_path: str) -> str:
+    """The transformations an op path's op ran under: `jit(step)/transpose(jvp())/mul` ->
+    `jit(step)/transpose(jvp())`. XLA joins the names of ops it merged with ';' (JAX 0.12):
+    the first one decides."""
+    first = op_path.split(";", 1)[0]
+    return first.rsplit("/", 1)[0] if "/" in first else ""

@@ -28,6 +28,7 @@ class Role(enum.Enum):
     ROUTING = "a routing op the partitioner may not split along batch or sequence (the rewrite runs it per shard)"
     ROUTING_FINDING = "a finding's op where a routed layer loses the sharding without a flatten"
     WRITTEN = "a collective the code writes by name (inside shard_map): it was asked for"
+    CUMULATIVE = "a running total over tokens: per shard only where each shard may count its own (per-shard capacity)"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -42,8 +43,8 @@ def _op(jax=(), hlo=(), roles=(), hlo_roles=()) -> Op:
     return Op(jax=tuple(jax), hlo=tuple(hlo), roles=frozenset(roles), hlo_roles=frozenset(hlo_roles))
 
 
-W, T, L, S, P, R, F, C = (Role.WHOLE, Role.TOKENS, Role.LAYOUT, Role.SAME_DIMS, Role.WEIGHT_PATH,
-                          Role.ROUTING, Role.ROUTING_FINDING, Role.WRITTEN)
+W, T, L, S, P, R, F, C, U = (Role.WHOLE, Role.TOKENS, Role.LAYOUT, Role.SAME_DIMS, Role.WEIGHT_PATH,
+                             Role.ROUTING, Role.ROUTING_FINDING, Role.WRITTEN, Role.CUMULATIVE)
 
 OPS: tuple[Op, ...] = (
     # ops that need a whole dimension
@@ -51,12 +52,12 @@ OPS: tuple[Op, ...] = (
     _op(["sort"], ["sort"], [W, T, R, F], [T]),
     _op(["argsort"], ["sort"], [W, T], [T]),
     _op(["top_k"], ["topk"], [W, T, R, F]),
-    _op(["cumsum"], ["reduce-window"], [W, T, R, F], [T]),
-    _op(["cumprod"], ["reduce-window"], [W, T, R], [T]),
-    _op(["cummax"], ["reduce-window"], [W, T, R], [T]),
-    _op(["cummin"], ["reduce-window"], [W, T, R], [T]),
-    _op(["cumlogsumexp"], ["reduce-window"], [W, T], [T]),
-    _op(["reduce_window", "reduce_window_sum", "reduce_window_max"], ["reduce-window"], [W, T], [T, F]),
+    _op(["cumsum"], ["reduce-window"], [W, T, R, F, U], [T]),
+    _op(["cumprod"], ["reduce-window"], [W, T, R, U], [T]),
+    _op(["cummax"], ["reduce-window"], [W, T, R, U], [T]),
+    _op(["cummin"], ["reduce-window"], [W, T, R, U], [T]),
+    _op(["cumlogsumexp"], ["reduce-window"], [W, T, U], [T]),
+    _op(["reduce_window", "reduce_window_sum", "reduce_window_max"], ["reduce-window"], [W, T, U], [T, F, U]),
     _op(["scatter"], ["scatter"], [W, T, R, F], [T]),
     _op(["scatter-add"], ["scatter"], [W, T, R, F], [T]),
     _op(["scatter_add"], ["scatter"], [W, T, R], [T]),
@@ -101,6 +102,13 @@ def opcodes(role: Role) -> frozenset[str]:
     return frozenset(name for op in OPS if role in op.hlo_roles for name in op.hlo)
 
 
+def lowered_to(primitive: str) -> frozenset[str]:
+    """The HLO opcodes a JAX primitive lowers to (`scatter-add` -> `scatter`), as listed here;
+    for a primitive not listed, its name with '-' for '_' (`reduce_precision`)."""
+    found = frozenset(name for op in OPS if primitive in op.jax for name in op.hlo)
+    return found or frozenset({primitive.replace("_", "-")})
+
+
 NEEDS_WHOLE = primitives(Role.WHOLE)
 TOKEN_PRIMITIVES = primitives(Role.TOKENS)
 TOKEN_OPCODES = opcodes(Role.TOKENS)
@@ -114,3 +122,8 @@ WEIGHT_PATH_OPCODES = opcodes(Role.WEIGHT_PATH)
 ROUTING_PRIMITIVES = primitives(Role.ROUTING)
 ROUTING_FINDING_OPS = primitives(Role.ROUTING_FINDING) | opcodes(Role.ROUTING_FINDING)
 WRITTEN_COLLECTIVES = primitives(Role.WRITTEN)
+# What a finding may name for a running total over tokens (XLA:CPU lowers a cumsum to a
+# reduce-window and JAX 0.10 labels it `reduce_window_sum`), and the ops the rewrite runs per
+# shard where a finding names them (`_wayout.rewrite_reaches`).
+CUMULATIVE = primitives(Role.CUMULATIVE) | opcodes(Role.CUMULATIVE)
+PER_SHARD_OPS = ROUTING_PRIMITIVES | CUMULATIVE

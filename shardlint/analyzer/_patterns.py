@@ -15,7 +15,9 @@ import collections
 
 import networkx as nx
 
-from ._graph import dims_of, node_of, operand_of
+from ._dataflow import MOVES
+from ._graph import dims_of, node_of, operand_of, reshape_groups
+from ._op_paths import is_backward
 from ._ops import JAXPR_LAYOUT, SAME_DIMS, WEIGHT_PATH_OPCODES
 
 GROUPED_MATMUL_PRIMITIVES = ("ragged_dot_general", "ragged_dot", "gmm", "tgmm")
@@ -85,23 +87,87 @@ def _leading_dim_after(layout_eqns) -> int | None:
 
 
 def feeds_grouped_matmul(graph: nx.DiGraph, start: str) -> bool:
-    """Whether the value flows on to a grouped matmul before it is un-flattened again."""
+    """Whether the op's result reaches a grouped matmul along the routed layer's own path:
+    on through the ops that route, order, count or re-lay tokens; through a contraction only
+    where it is a dispatch, whose result reaches the expert matmul by layout ops alone (the
+    capacity dispatch `bsd,bsec->ebcd`); never past a reshape that splits the tokens back
+    into (batch, seq); within the op's own pass (a forward value reaches the backward's
+    matmuls through the loss and the whole network's backward, not through the routed
+    layer). Attention's K and V reach the next layer's experts only through its own
+    contractions and the residual stream: they feed none."""
     operand = operand_of(graph, start, 0)
-    leading = dims_of(graph, operand[0], operand[1]) if operand else ()
-    seen, queue = {start}, collections.deque([start])
+    dims = dims_of(graph, operand[0], operand[1]) if operand else ()
+    batch_seq = tuple(dims[:2]) if len(dims) >= 3 else None   # flattened tokens: not known
+    backward = is_backward(node_of(graph, start).op_path)
+    seen, queue = {(start, None)}, collections.deque([(start, None)])
     while queue:
-        node = queue.popleft()
-        for user in graph.successors(node):
-            if user in seen:
+        for user, element in _readers(graph, *queue.popleft()):
+            if (user, element) in seen or is_backward(node_of(graph, user).op_path) != backward:
                 continue
-            seen.add(user)
+            seen.add((user, element))
             if is_grouped_matmul(graph, user):
                 return True
-            out = dims_of(graph, user, 0)
-            if (node_of(graph, user).opcode == "reshape" and len(leading) > 1
-                    and out[: len(leading) - 1] == leading[: len(leading) - 1]):
+            opcode = node_of(graph, user).opcode
+            if opcode == "reshape" and _unflattens(graph, user, batch_seq):
                 continue  # reshaped back to (batch, seq, ...): the token region ends here
-            queue.append(user)
+            if _contracts(graph, user) and not _dispatches(graph, user):
+                continue
+            queue.append((user, element))
+    return False
+
+
+def _readers(graph, node: str, element: int | None):
+    """The ops reading `element` of the op's result (None: all of it), each with the element
+    of its own result that carries the value on: a tuple carries it as one of its elements,
+    an optimization barrier (`jax.checkpoint` saves a layer's inputs through one) as the same,
+    a get-tuple-element only where it takes that element. A tuple is not its elements: the
+    embedding saved beside an expert weight does not feed that weight's matmul."""
+    for user in graph.successors(node):
+        edge = graph.edges[node, user]
+        if element is not None and edge["element"] is not None and edge["element"] != element:
+            continue
+        data = node_of(graph, user)
+        if element is not None and data.opcode == "get-tuple-element" and edge["element"] is None:
+            if (data.instr.tuple_index or 0) != element:
+                continue
+            yield user, None
+        elif data.opcode == "tuple":
+            yield user, edge["position"]
+        elif data.opcode in ("opt-barrier", "optimization-barrier"):
+            yield user, element
+        else:
+            yield user, None
+
+
+def _contracts(graph, node: str) -> bool:
+    """A dot that sums over a dimension, or a convolution (a dot that contracts nothing is
+    a broadcast product: the backward of a combine `tkd,tk->td`)."""
+    data = node_of(graph, node)
+    if data.opcode == "convolution":
+        return True
+    return data.opcode == "dot" and bool(data.instr.lhs_contracting_dims or data.instr.rhs_contracting_dims)
+
+
+def _unflattens(graph, reshape: str, batch_seq: tuple[int, int] | None) -> bool:
+    """The reshape splits a dimension of batch x seq elements back into (batch, seq)."""
+    operand = operand_of(graph, reshape, 0)
+    if operand is None or batch_seq is None:
+        return False
+    before, after = dims_of(graph, *operand), dims_of(graph, reshape, 0)
+    return any(len(ins) == 1 and before[ins[0]] == batch_seq[0] * batch_seq[1]
+               and tuple(after[j] for j in outs if after[j] > 1)[:2] == batch_seq
+               for ins, outs in reshape_groups(before, after))
+
+
+def _dispatches(graph, dot: str, hops: int = 4) -> bool:
+    """The contraction's result reaches a grouped matmul through ops that only move it."""
+    frontier, seen = [dot], {dot}
+    for _ in range(hops):
+        frontier = [u for n in frontier for u in graph.successors(n) if u not in seen]
+        seen.update(frontier)
+        if any(is_grouped_matmul(graph, u) for u in frontier):
+            return True
+        frontier = [u for u in frontier if node_of(graph, u).opcode in MOVES]
     return False
 
 
@@ -128,20 +194,32 @@ def is_grouped_matmul(graph: nx.DiGraph, node: str) -> bool:
     for position, batch_dims in ((0, instr.lhs_batch_dims), (1, instr.rhs_batch_dims)):
         operand = operand_of(graph, node, position)
         if (operand is not None and len(dims_of(graph, *operand)) == 3 and 0 in batch_dims
-                and _from_parameter(graph, operand[0])):
+                and _from_parameter(graph, *operand)):
             return True
     return False
 
 
-def _from_parameter(graph, node, depth: int = 6) -> bool:
+def _from_parameter(graph, node, element: int = 0, depth: int = 8) -> bool:
+    """The value (`element` of the op's result) is a parameter, moved: through layout ops,
+    and through the tuples, get-tuple-elements and optimization barriers (`jax.checkpoint`
+    puts the weights its backward reads through one) that carry it, element by element."""
     for _ in range(depth):
         data = node_of(graph, node)
         if data.opcode == "parameter":
             return True
-        if data.opcode not in WEIGHT_PATH_OPCODES:
+        if data.opcode == "tuple":
+            src = operand_of(graph, node, element)
+        elif data.opcode == "get-tuple-element":
+            src = operand_of(graph, node, 0)
+            src = (src[0], data.instr.tuple_index or 0) if src else None
+        elif data.opcode in ("opt-barrier", "optimization-barrier"):
+            src = operand_of(graph, node, 0)
+            src = (src[0], element) if src else None
+        elif data.opcode in WEIGHT_PATH_OPCODES:
+            src = operand_of(graph, node, 0)
+        else:
             return False
-        src = operand_of(graph, node, 0)
         if src is None:
             return False
-        node = src[0]
+        node, element = src
     return False

@@ -24,10 +24,10 @@ import dataclasses
 
 from ._buffers import Allocation, Slot
 from .._vocab import COLLECTIVE_KINDS, BufferRole, CollectiveKind
-from ._collectives import primitive_of
 from ._frames import shown_frames
 from ._hlo import HloModule, Instruction
 from ._live_range import LiveRanges
+from ._op_paths import is_backward, primitive_of
 from ._model import Collective, PeakBuffer, Source
 from ._stack import user_sources
 
@@ -128,7 +128,7 @@ def _buffer(slot: Slot, nbytes: int, role: BufferRole, live: LiveRanges, by_name
         value=slot.value, role=role, bytes=nbytes, size=slot.size,
         alive=live.alive_at_peak(slot.value), shape=_shape_of(slot.shape), op=op, op_path=op_path,
         source=stack[0] if stack else None, stack=stack,
-        backward="transpose(" in op_path.split(";", 1)[0],
+        backward=is_backward(op_path),
         collective=collective.id if collective else "", cause=collective.cause if collective else "")
 
 

@@ -33,6 +33,7 @@ from ..analyzer import Analysis, Collective, Finding, Source, scope_tree
 from ..internal import normalize_op_path
 from ..gate import CollectiveKey, collective_key
 from ._svg import memory_chart_svg, neighbourhood_svg
+from ._text import verb_phrase
 from ..internal import peak_lines
 from ._data import sweep_scalings
 from ._sweep import check_sweep, sweep_summary
@@ -247,7 +248,8 @@ def finding_view(f: Finding, index: int, analysis: Analysis, root: str) -> dict[
         causes.append({"id": cid, "anchor": anchor(collective_key(c, root)) if c else "",
                        "kind": c.kind if c else "", "axes": ",".join(c.axes) if c else "",
                        "shape": c.shape if c else "", "bytes": c.bytes if c else None})
-    return {"index": index, "f": f, "where": _frames(f, helper_frames(analysis), root),
+    return {"index": index, "f": f, "verb": verb_phrase(f, analysis),
+            "where": _frames(f, helper_frames(analysis), root),
             "file": f.source.file if f.source else "", "snippet": snippet(f.source),
             "causes": causes, "graph": neighbourhood_svg(f.neighbourhood, f.axes)}
 

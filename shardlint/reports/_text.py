@@ -6,7 +6,7 @@ import json
 
 from .._files import write_text
 from .._format import clip, human_bytes
-from .._vocab import FindingKind
+from .._vocab import FindingKind, said, words
 from ..analyzer import Analysis, scope_tree
 from ..internal import frames_text, helper_frames, peak_lines, unsourced
 
@@ -27,7 +27,7 @@ def format_text(analysis: Analysis, title: str = "", fit=None) -> str:
     if analysis.findings:
         lines.append(f"{len(analysis.findings)} finding(s): sharding lost")
         for i, f in enumerate(analysis.findings, 1):
-            lines.append(f"  [{i}] {at(f)}  {_headline(f)}"
+            lines.append(f"  [{i}] {at(f)}  {headline(f, analysis)}"
                          + ("  -> feeds a grouped matmul" if f.feeds_grouped_matmul else ""))
             lines.append(f"      op path: {f.op_path}")
             lines.append(f"      {' and '.join(f.operand_shapes) or f.operand_shape}  ->  {f.result_shape}")
@@ -106,14 +106,33 @@ def _compiler(analysis: Analysis) -> str:
     return compiler
 
 
-def _headline(f) -> str:
+def headline(f, analysis: Analysis) -> str:
+    """What the finding's op lost, in the words of its collectives (an all-gather gathers,
+    an all-to-all moves), and `(backward)` for an op of the backward pass."""
+    pairs = words(c for c in analysis.collectives if c.id in f.collectives)
     if f.kind == FindingKind.REMATERIALIZED:
-        return f"{f.op}: involuntary full rematerialization"
-    if f.kind == FindingKind.UNSPLIT:
-        return f"{f.op} cannot be split: its inputs are gathered over {', '.join(f.axes)}"
-    if f.kind == FindingKind.RESHARDED:
-        return f"{f.op} reshards an operand over {', '.join(f.axes)}"
-    return f"{f.op} drops {', '.join(f.axes)}"
+        text = f"{f.op}: involuntary full rematerialization"
+    elif f.kind in (FindingKind.UNSPLIT, FindingKind.RESHARDED) and pairs:
+        text = f"{f.op} {_LEAD[f.kind]} {said(pairs)}"
+    else:
+        text = f"{f.op} {verb_phrase(f, analysis)} {', '.join(f.axes)}".rstrip()
+    return text + (" (backward)" if f.backward else "")
+
+
+_LEAD = {FindingKind.UNSPLIT: "cannot be split: its inputs are", FindingKind.RESHARDED: "reshards an operand:"}
+
+
+def verb_phrase(f, analysis: Analysis) -> str:
+    """The words between a finding's op and its axes, as its collectives did it:
+    `drops`, `cannot be split: its inputs are gathered over`, `reshards an operand: moved
+    over`."""
+    if f.kind == FindingKind.REMATERIALIZED:
+        return "needs an involuntary full rematerialization"
+    if f.kind == FindingKind.DROPPED:
+        return "drops"
+    verbs = [verb for verb, _ in words(c for c in analysis.collectives if c.id in f.collectives)]
+    default = "gathered" if f.kind == FindingKind.UNSPLIT else "moved"
+    return f"{_LEAD[f.kind]} {' and '.join(verbs or [default])} over"
 
 
 def _trips(c) -> str:

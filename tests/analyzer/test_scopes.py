@@ -51,8 +51,12 @@ def test_the_moe_scopes_hold_the_lost_gathers_in_both_layers():
         moe = _node(tree, layer, "moe")
         in_moe = [c for c in lost if scope_of(c.op_path)[1][:2] == (layer, "moe")]
         assert in_moe and dict(moe.kinds)["all-gather"].count >= len(in_moe)
-    # Which op a gather is attached to is XLA's choice: JAX 0.10 puts the attention's K/V
-    # gathers in `attention`, JAX 0.12 on the op they feed. Every gather is somewhere.
+    # The attention's K/V gathers are the attention's on every JAX version: JAX 0.10 labels
+    # them with its projections, JAX 0.12 with the norm or the op that made K and V (which
+    # once put them under `moe/flatten`); they are placed for the projections reading them.
+    for layer in ("layer_0", "layer_1"):
+        attention = _node(tree, layer, "attention")
+        assert attention.forward.count == 1 and dict(attention.kinds) == {"all-gather": attention.total}
     placed = sum(t.count for node, _ in tree.walk() if node.path for kind, t in node.kinds
                  if kind == "all-gather" and len(node.path) == 1)
     unscoped = [c for c in analysis.all_gathers() if not scope_of(c.op_path)[1]]
