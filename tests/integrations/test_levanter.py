@@ -91,7 +91,7 @@ def test_levanter_lays_out_its_own_mesh_and_batch(context):
 
 def test_xla_gathers_every_token_onto_every_device(context):
     _, _, analysis = context
-    assert activation_gathers(analysis, TOKEN_LENGTHS) == TRUTH_CONTEXT
+    assert activation_gathers(analysis.collectives, TOKEN_LENGTHS) == TRUTH_CONTEXT
 
 
 def test_shardlint_finds_the_routing_gathers_at_levanters_lines(context):

@@ -3,7 +3,7 @@ explanation: for the real-code tests (tests/integrations/test_levanter.py,
 test_keras_hub.py), which set their sizes so that the sequence and the flattened token
 dimensions have lengths no weight has.
 
-Each collective of `Analysis.collectives` is one instruction of the partitioned HLO module:
+Each of `Analysis.collectives` is one instruction of the partitioned HLO module:
 its per-device result shape, the mesh axes of its replica groups and the op name and source
 line XLA attached (`xla_op_path`, `xla_source`) are XLA's own; its cause, consumer and user
 stack are shardlint's reading, which the tests compare with this.
@@ -23,10 +23,11 @@ def direction(collective) -> str:
     return "backward" if "transpose(" in collective.xla_op_path else "forward"
 
 
-def activation_gathers(analysis, lengths: set[int]) -> Counter:
-    """The all-gathers whose per-device result has a dimension of one of `lengths` (the
-    sequence, the tokens): `(shape, axes, direction) -> how many`."""
-    return Counter((c.shape, c.axes, direction(c)) for c in analysis.collectives
+def activation_gathers(collectives, lengths: set[int]) -> Counter:
+    """Of `collectives` (an analysis's, or some of them), the all-gathers whose per-device
+    result has a dimension of one of `lengths` (the sequence, the tokens):
+    `(shape, axes, direction) -> how many`."""
+    return Counter((c.shape, c.axes, direction(c)) for c in collectives
                    if c.kind == "all-gather" and has_length(c, lengths))
 
 
