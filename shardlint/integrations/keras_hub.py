@@ -33,14 +33,13 @@ imported until `make_step` runs.
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import math
 import os
-import sys
 from typing import Any, Callable, Sequence
 
 from .._errors import UsageError
+from ._library import one_line, quiet
 
 INSTALL = "pip install 'shardlint[keras-hub]'"
 AXES = ("batch", "model")   # Qwen3MoeBackbone.get_layout_map's default axis names
@@ -118,7 +117,7 @@ def _backbone(Backbone, keys: dict[str, Any]):
     try:
         return Backbone(**keys)
     except (ValueError, TypeError) as e:   # its own checks, and a layout its sizes do not divide
-        raise KerasHubError(f"Qwen3MoeBackbone cannot be built as asked: {_one_line(e)}") from None
+        raise KerasHubError(f"Qwen3MoeBackbone cannot be built as asked: {one_line(e) or type(e).__name__}") from None
 
 
 def _batch(batch_size: int, sequence_length: int):
@@ -136,7 +135,7 @@ def _require_keras_hub():
         raise KerasHubError(f"KERAS_BACKEND is {backend!r}: keras-hub's step runs on Keras's JAX backend; "
                             f"unset it or set KERAS_BACKEND=jax")
     try:
-        with _quiet():
+        with quiet():   # keras-hub imports TensorFlow, which prints notes as it loads
             import keras
             import keras_hub
     except ImportError as e:
@@ -145,16 +144,3 @@ def _require_keras_hub():
         raise KerasHubError(f"Keras was imported with its {keras.backend.backend()!r} backend before "
                             f"shardlint could ask for JAX: set KERAS_BACKEND=jax")
     return keras, keras_hub
-
-
-def _one_line(e: BaseException) -> str:
-    text = " ".join(str(e).split()) or type(e).__name__
-    return text if len(text) <= 300 else text[:297] + "..."
-
-
-@contextlib.contextmanager
-def _quiet():
-    """keras-hub imports TensorFlow, which prints notes as it loads; shardlint's stdout is the
-    report."""
-    with contextlib.redirect_stdout(sys.stderr):
-        yield

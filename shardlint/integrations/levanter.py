@@ -37,13 +37,12 @@ Levanter (the `marin-levanter` package) needs Python 3.12 and JAX < 0.12:
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import difflib
 import sys
 from typing import Any, Callable, Sequence
 
 from .._errors import UsageError
+from ._library import did_you_mean, one_line, quiet
 
 INSTALL = "pip install 'shardlint[levanter]'"
 
@@ -103,7 +102,7 @@ def make_configs(**keys: Any):
     try:
         return (draccus.decode(MixtralConfig, model_keys), draccus.decode(TrainerConfig, trainer_keys))
     except Exception as e:   # draccus raises its own DecodingError, and the configs' checks others
-        raise LevanterError(f"Levanter rejects the config: {_one_line(e)}") from None
+        raise LevanterError(f"Levanter rejects the config: {one_line(e) or type(e).__name__}") from None
 
 
 def _train_step(model_config, trainer_config, mesh, *, vocab_size: int):
@@ -177,7 +176,7 @@ def _mesh(trainer_config, devices: list):
         return create_mesh_from_axis_specs(ici_axes=ici, dcn_axes=dcn, devices=devices)
     except ValueError as e:
         raise LevanterError(f"Levanter cannot lay its mesh over {len(devices)} devices with "
-                            f"axes {dict(trainer_config.mesh.axes)}: {_one_line(e)}") from None
+                            f"axes {dict(trainer_config.mesh.axes)}: {one_line(e) or type(e).__name__}") from None
 
 
 def _fields(cls) -> set[str]:
@@ -189,26 +188,12 @@ def _require_levanter() -> None:
         raise LevanterError(f"Levanter (marin-levanter) needs Python 3.12+ (this is "
                             f"{sys.version.split()[0]}); in a Python 3.12 environment: {INSTALL}")
     try:
-        with _quiet():
+        with quiet():   # transformers prints a note when it imports without PyTorch
             import levanter.models.mixtral  # noqa: F401
     except ImportError as e:
         raise LevanterError(f"Levanter is not installed ({e}); {INSTALL}") from None
 
 
 def _unknown_key(key: str, valid: list[str]) -> str:
-    close = difflib.get_close_matches(key, valid, n=3)
-    hint = f"; did you mean {', '.join(close)}?" if close else ""
-    return f"Levanter's MixtralConfig, TrainerConfig and MeshConfig have no key {key!r} (--set {key}=...){hint}"
-
-
-def _one_line(e: BaseException) -> str:
-    text = " ".join(str(e).split()) or type(e).__name__
-    return text if len(text) <= 300 else text[:297] + "..."
-
-
-@contextlib.contextmanager
-def _quiet():
-    """transformers prints a note on stdout when it imports without PyTorch; shardlint's
-    stdout is the report."""
-    with contextlib.redirect_stdout(sys.stderr):
-        yield
+    return (f"Levanter's MixtralConfig, TrainerConfig and MeshConfig have no key {key!r} "
+            f"(--set {key}=...){did_you_mean(key, valid)}")

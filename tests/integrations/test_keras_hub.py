@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import importlib.util
 import inspect
-import json
 
 import jax
 import pytest
@@ -35,6 +34,7 @@ from shardlint.integrations import keras_hub  # noqa: E402
 from shardlint.rewrites import verify_same  # noqa: E402
 
 from support.hlo_gathers import activation_gathers, has_length  # noqa: E402
+from support.cli_words import set_words as _sets  # noqa: E402
 
 pytestmark = pytest.mark.keras_hub
 
@@ -145,10 +145,6 @@ def test_data_parallel_routing_is_gathered_over_the_batch():
                                           mesh_shape=[8, 1], batch_size=16))
     analysis = shardlint.analyze(fn, *args)
     assert len(_routers_gathers_on_top_k(analysis, "f32[2048,8]")) >= 2
-
-
-def _sets(options: dict) -> list[str]:
-    return [w for k, v in options.items() for w in ("--set", f"{k}={json.dumps(v) if not isinstance(v, str) else v}")]
 
 
 @pytest.mark.parametrize("options, message", [

@@ -31,6 +31,7 @@ from shardlint.integrations import levanter  # noqa: E402
 from shardlint.rewrites import verify_same  # noqa: E402
 
 from support.hlo_gathers import activation_gathers, has_length  # noqa: E402
+from support.cli_words import set_words as _sets  # noqa: E402
 
 pytestmark = pytest.mark.levanter
 
@@ -169,10 +170,6 @@ def test_batch_only_routing_is_rewritten(batch_only):
     with pytest.warns(shardlint.NothingToRewrite):   # today; gone once it rewrites
         fixed = shardlint.rewrite(fn, mesh_of(args), args=args, analysis=before, verify=True)
     assert fixed.changed is True
-
-
-def _sets(options: dict) -> list[str]:
-    return [w for k, v in options.items() for w in ("--set", f"{k}={json.dumps(v) if not isinstance(v, str) else v}")]
 
 
 @pytest.mark.slow
