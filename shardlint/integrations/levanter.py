@@ -60,9 +60,10 @@ def make_step(mesh=None, *, devices: Sequence[Any] | None = None, vocab_size: in
     """`(train_step, (state, batch))`: Levanter's jitted Mixtral training step and its
     shaped inputs (the train state's arrays and an `LmExample`).
 
-    `keys` are `MixtralConfig` or `TrainerConfig` fields. The mesh is Levanter's own over
-    `devices` (default `jax.devices()`); a `mesh` given must have Levanter's axes and sizes
-    for this config (shardlint's CLI passes None under `--devices` and `--topology`).
+    `keys` are `MixtralConfig`, `TrainerConfig` or `MeshConfig` fields (`make_configs`);
+    `vocab_size` stands in for the tokenizer's. The mesh is Levanter's own over `devices`
+    (default `jax.devices()`); a `mesh` given must have Levanter's axes and sizes for this
+    config (shardlint's CLI passes None under `--devices` and `--topology`).
     """
     import jax
 
