@@ -23,6 +23,8 @@ from shardlint.analyzer._compile import mesh_of  # noqa: E402
 from shardlint.integrations import maxtext  # noqa: E402
 from shardlint.rewrites import verify_same  # noqa: E402
 
+from support.cli_words import set_words as _sets  # noqa: E402
+
 pytestmark = pytest.mark.maxtext
 
 TARGET = "shardlint.integrations.maxtext:make_step"
@@ -43,10 +45,6 @@ def jax_as_it_was():
     saved = jax.lax.top_k, jax.lax.with_sharding_constraint
     yield
     jax.lax.top_k, jax.lax.with_sharding_constraint = saved
-
-
-def _sets(options: dict) -> list[str]:
-    return [w for k, v in options.items() for w in ("--set", f"{k}={json.dumps(v) if not isinstance(v, str) else v}")]
 
 
 def _moe_findings(analysis):

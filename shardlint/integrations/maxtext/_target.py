@@ -32,8 +32,6 @@ pass over such shims to the model's own lines.
 
 from __future__ import annotations
 
-import contextlib
-import difflib
 import math
 import os
 import re
@@ -42,6 +40,9 @@ import tempfile
 from typing import Any, Callable, Sequence
 
 from ..._errors import UsageError
+from .._library import did_you_mean
+from .._library import one_line as _one_line
+from .._library import quiet as _quiet   # MaxText prints its whole config and absl notes
 
 INSTALL = "pip install 'shardlint[maxtext]'"
 
@@ -184,9 +185,7 @@ def _require_maxtext() -> None:
 
 def _unknown_key(key: str, message: str) -> str:
     valid = re.findall(r"'(\w+)'", message.split(" not in ", 1)[1])
-    close = difflib.get_close_matches(key, valid, n=3)
-    hint = f"; did you mean {', '.join(close)}?" if close else ""
-    return f"MaxText has no config key {key!r} (--set {key}=...){hint}"
+    return f"MaxText has no config key {key!r} (--set {key}=...){did_you_mean(key, valid)}"
 
 
 def _ici_keys(config) -> dict[str, int]:
@@ -209,14 +208,3 @@ def _reason(e: ValueError) -> str:
     return _one_line(e)
 
 
-def _one_line(e: BaseException) -> str:
-    text = " ".join(str(e).split())
-    return text if len(text) <= 300 else text[:297] + "..."
-
-
-@contextlib.contextmanager
-def _quiet():
-    """MaxText prints its whole config and absl notes while initializing; shardlint's
-    stdout is the report."""
-    with contextlib.redirect_stdout(sys.stderr):
-        yield
