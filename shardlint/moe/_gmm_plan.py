@@ -6,7 +6,9 @@ path, and the only one on CPU) otherwise; also where the rows vary over `shard_m
 axes (the Pallas interpreters of JAX 0.10.2 reject that, so the path is untested on
 several devices). `grouped_kernel(...)` forces a choice for a
 scope: "xla" (ragged_dot), "pallas", or "interpret" (the Pallas kernels in interpret mode,
-any backend and dtype; what the CPU tests use).
+any backend and dtype; what the CPU tests use). The scope is read when a function is
+traced: a jitted function keeps the kernel it was traced with (`ShardedRoutedMoE` keys its
+own jitted `shard_map` by `scope()`).
 
 The row tile comes from a cost model fitted on a v5e (`row_tile`); the blocks along K and
 N are the largest whose double-buffered operands fit the VMEM limit (`Plan.tiles`).
@@ -48,7 +50,8 @@ STATIC_ROW_COST = 0.4
 @contextlib.contextmanager
 def grouped_kernel(name: str, *, row_tile: int | None = None) -> Iterator[None]:
     """Inside, grouped matmuls use kernel `name` ("auto", "xla", "pallas", "interpret")
-    and, when given, row tiles of `row_tile` rows."""
+    and, when given, row tiles of `row_tile` rows: in what is traced inside (a function
+    jitted and traced before keeps its kernel)."""
     if name not in KERNELS:
         raise ValueError(f"grouped kernel {name!r} is not one of {KERNELS}")
     token, tm_token = _kernel.set(name), _row_tile.set(row_tile)
@@ -57,6 +60,12 @@ def grouped_kernel(name: str, *, row_tile: int | None = None) -> Iterator[None]:
     finally:
         _kernel.reset(token)
         _row_tile.reset(tm_token)
+
+
+def scope() -> tuple[str, int | None]:
+    """The kernel and row tile `grouped_kernel` set for this scope (a cache key for code
+    that jits a function calling `plan`)."""
+    return _kernel.get(), _row_tile.get()
 
 
 @dataclasses.dataclass(frozen=True)
