@@ -1,9 +1,8 @@
 """What `shardlint.moe` needs from JAX beyond the obvious: `shard_map` with its checks on
 (the version shim itself lives in `shardlint._jax`, with every other one), a stable
-argsort that keeps a value's varying-manual-axes type, the varying-axes types a
-`pallas_call` inside `shard_map` must state (public API: `jax.typeof`, `jax.lax.pcast`,
-`jax.sharding.ManualAxisType`, the same in JAX 0.10.2 and 0.12.0.1), and a way to run a
-Pallas kernel in interpret mode there (`per_device`).
+argsort that keeps a value's varying-manual-axes type, and the varying-axes types a
+`pallas_call` inside `shard_map` must state, or interpret mode there avoid (`per_device`;
+public API: `jax.typeof`, `jax.lax.pcast`, `jax.sharding.ManualAxisType`, JAX 0.10.2-0.12.1).
 """
 
 from __future__ import annotations
@@ -12,7 +11,6 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from .. import _jax
 
@@ -90,10 +88,5 @@ def per_device(fn: Callable[..., Any], *args: jax.Array) -> Any:
     if not axes:
         return fn(*args)
     shapes = jax.eval_shape(fn, *(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in args))
-    jitted = jax.jit(fn)
-
-    def on_host(*values):
-        return jax.tree.map(np.asarray, jitted(*values))
-
-    outs = jax.pure_callback(on_host, shapes, *args)
+    outs = jax.pure_callback(jax.jit(fn), shapes, *args)
     return jax.tree.map(lambda o: _vary(o, axes), outs)
