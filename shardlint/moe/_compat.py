@@ -1,8 +1,8 @@
 """What `shardlint.moe` needs from JAX beyond the obvious: `shard_map` with its checks on
 (the version shim itself lives in `shardlint._jax`, with every other one), a stable
 argsort that keeps a value's varying-manual-axes type, and the varying-axes types a
-`pallas_call` inside `shard_map` must state (public API: `jax.typeof`, `jax.lax.pcast`,
-`jax.sharding.ManualAxisType`, the same in JAX 0.10.2 and 0.12.0.1).
+`pallas_call` inside `shard_map` must state, or interpret mode there avoid (`per_device`;
+public API: `jax.typeof`, `jax.lax.pcast`, `jax.sharding.ManualAxisType`, JAX 0.10.2-0.12.1).
 """
 
 from __future__ import annotations
@@ -53,11 +53,40 @@ def vary_alike(*arrays: jax.Array) -> tuple[jax.Array, ...]:
     that does not vary into the psum of its gradient.
     """
     axes = frozenset().union(*(varying_axes(a) for a in arrays))
-    return tuple(jax.lax.pcast(a, tuple(sorted(axes - varying_axes(a))), to="varying")
-                 if axes - varying_axes(a) else a for a in arrays)
+    return tuple(_vary(a, axes) for a in arrays)
 
 
-def out_struct(shape: tuple[int, ...], dtype: Any, like: jax.Array) -> jax.ShapeDtypeStruct:
-    """A `pallas_call` output shape that varies over the axes `like` varies over."""
+def _vary(x: jax.Array, axes: frozenset) -> jax.Array:
+    """x cast to vary over `axes` too."""
+    missing = tuple(sorted(axes - varying_axes(x)))
+    return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+
+def out_struct(shape: tuple[int, ...], dtype: Any, *like: jax.Array) -> jax.ShapeDtypeStruct:
+    """A `pallas_call` output shape that varies over every axis the arrays `like` vary
+    over (its operands: an output depends on all of them)."""
+    axes = frozenset().union(*(varying_axes(a) for a in like))
     return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=jax.sharding.ManualAxisType(
-        varying=varying_axes(like)))
+        varying=axes))
+
+
+def per_device(fn: Callable[..., Any], *args: jax.Array) -> Any:
+    """`fn(*args)`, where `fn` calls Pallas kernels in interpret mode; inside `shard_map`,
+    where the args vary over its axes, each device runs `fn` on its own values in a host
+    callback, and the results vary over those axes.
+
+    JAX's Pallas interpreters (the HLO one and TPU interpret mode; JAX 0.10.2 and 0.12.1)
+    evaluate a kernel's index maps and body under the varying-axes checks of the
+    `shard_map` around them, and fail at the first op that meets a varying block with a
+    grid index or a constant ("Primitive dynamic_slice requires varying manual axes to
+    match"). Outside `shard_map` they run: the callback runs `fn` jitted on the host, on
+    one device's arrays. (A nested `shard_map` with its checks off is refused by JAX 0.12.)
+    Compiled kernels need none of this. A callback has no derivative: call this only
+    where nothing differentiates `fn` (a custom VJP's rules).
+    """
+    axes = frozenset().union(*(varying_axes(a) for a in args))
+    if not axes:
+        return fn(*args)
+    shapes = jax.eval_shape(fn, *(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in args))
+    outs = jax.pure_callback(jax.jit(fn), shapes, *args)
+    return jax.tree.map(lambda o: _vary(o, axes), outs)

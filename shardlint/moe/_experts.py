@@ -83,8 +83,7 @@ def grouped_swiglu(x_ND: jax.Array, group_M: jax.Array, num_groups: int,
     """
     M = group_M.shape[0]
     plan = _gmm_plan.plan(M, (wi_0_GDF.shape[-2], wi_0_GDF.shape[-1]), num_groups,
-                          x_ND.dtype, weights_whole=slices.size == 1,
-                          varying=bool(_compat.varying_axes(x_ND)))
+                          x_ND.dtype, weights_whole=slices.size == 1)
     if plan is not None:
         return _tiled_swiglu(x_ND, group_M, num_groups, wi_0_GDF, wi_1_GDF, wo_GFD,
                              source_M, repeat, plan)
@@ -152,7 +151,7 @@ def sparse_experts(x_TD: jax.Array, weights_TK: jax.Array, experts_TK: jax.Array
     T, K = experts_TK.shape
     weights = (params["wi_0"], params["wi_1"], params["wo"])
     plan = _gmm_plan.plan(T * K, weights[0].shape[-2:], num_experts, x_TD.dtype,
-                          weights_whole=slices.size == 1, varying=bool(_compat.varying_axes(x_TD)))
+                          weights_whole=slices.size == 1)
     if plan is not None:
         layout, x_PD = _tiled_layout(x_TD, experts_TK.reshape(T * K), num_experts, K, plan)
         # the experts and the combine: one VJP (its doc says why), scoped inside

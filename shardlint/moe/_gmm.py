@@ -27,9 +27,11 @@ result past the last used tile are left unwritten; callers never read them.
 one VJP: its backward pass hands `_down_grad` and the output's `_tgmm` the rows of g with
 each row's weight, and they scale the rows as they load them.
 
-Which kernel runs, and at which tiles, is chosen per call (`_gmm_plan`). The names carry
-"gmm" so that the analyzer's grouped-matmul pattern (`analyzer._patterns`) recognises the
-pallas_calls.
+Inside `shard_map` the kernels take values that vary over its axes (cast alike first, so
+that the custom VJPs return each gradient typed as its input); in interpret mode they run
+on one device's values at a time (`_launch`). Which kernel runs, and at which tiles, is
+chosen per call (`_gmm_plan`). The names carry "gmm" so that the analyzer's grouped-matmul
+pattern (`analyzer._patterns`) recognises the pallas_calls.
 """
 
 from __future__ import annotations
@@ -80,27 +82,38 @@ def _weight_specs(t: Tiles, count: int, transpose: bool) -> list:
     return [pl.BlockSpec((None, t.k, t.n), lambda n, i, k, tg: (tg[i], k, n))] * count
 
 
+def _launch(p: Plan, call, tile_group_I, num_tiles, operands: list):
+    """call(tile_group_I, num_tiles, *operands), a pallas_call's; in interpret mode one
+    device's values at a time (`_compat.per_device`: JAX's interpreters fail inside
+    `shard_map` on values that vary over its axes)."""
+    if p.interpret:
+        return _compat.per_device(call, tile_group_I, num_tiles, *operands)
+    return call(tile_group_I, num_tiles, *operands)
+
+
 def _call(kernel, name: str, t: Tiles, K: int, N: int, p: Plan, tile_group_I, num_tiles,
           in_specs: list, out_shapes: list, products: int, operands: list):
     """A pallas_call over (N blocks, row tiles in use, K blocks); scalar prefetch: each
-    tile's group."""
+    tile's group. Its outputs (`out_shapes`) are declared to vary as the operands do."""
     P = out_shapes[0].shape[0]
     k_steps = K // t.k
-    call = pl.pallas_call(
-        kernel,
-        out_shape=out_shapes,
-        grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=1,
-            grid=(N // t.n, num_tiles, k_steps),
-            in_specs=in_specs,
-            out_specs=[pl.BlockSpec((t.m, t.n), lambda n, i, k, tg: (i, n))] * len(out_shapes),
-            scratch_shapes=[pltpu.VMEM((t.m, t.n), jnp.float32)] if k_steps > 1 else []),
-        compiler_params=_params(p, ("parallel", "arbitrary", "arbitrary")),
-        interpret=p.interpret,
-        cost_estimate=_cost(P, K, N, out_shapes[0].dtype.itemsize, products),
-        name=name,
-    )
-    return call(tile_group_I, *operands)
+
+    def call(tile_group_I, num_tiles, *operands):
+        return pl.pallas_call(
+            kernel,
+            out_shape=[_compat.out_struct(s.shape, s.dtype, *operands) for s in out_shapes],
+            grid_spec=pltpu.PrefetchScalarGridSpec(
+                num_scalar_prefetch=1,
+                grid=(N // t.n, num_tiles, k_steps),
+                in_specs=in_specs,
+                out_specs=[pl.BlockSpec((t.m, t.n), lambda n, i, k, tg: (i, n))] * len(out_shapes),
+                scratch_shapes=[pltpu.VMEM((t.m, t.n), jnp.float32)] if k_steps > 1 else []),
+            compiler_params=_params(p, ("parallel", "arbitrary", "arbitrary")),
+            interpret=p.interpret,
+            cost_estimate=_cost(P, K, N, out_shapes[0].dtype.itemsize, products),
+            name=name,
+        )(tile_group_I, *operands)
+    return _launch(p, call, tile_group_I, num_tiles, operands)
 
 
 def _gmm(x_PK: jax.Array, w_GAB: jax.Array, tile_group_I: jax.Array,
@@ -136,7 +149,7 @@ def _gmm(x_PK: jax.Array, w_GAB: jax.Array, tile_group_I: jax.Array,
     return _call(kernel, "shardlint_gmm_t" if transpose_rhs else "shardlint_gmm", t, K, N,
                  p, tile_group_I, num_tiles,
                  _row_specs(t, 1, True) + _weight_specs(t, 1, transpose_rhs),
-                 [_compat.out_struct((P, N), x_PK.dtype, x_PK)], 1, [x_PK, w_GAB])[0]
+                 [jax.ShapeDtypeStruct((P, N), x_PK.dtype)], 1, [x_PK, w_GAB])[0]
 
 
 _NN = (((1,), (0,)), ((), ()))
@@ -161,7 +174,7 @@ def _up(x_PD, wi_0_GDF, wi_1_GDF, tile_group_I, num_tiles, p: Plan):
         h_ref[...] = (silu.astype(h_ref.dtype).astype(jnp.float32)
                       * h1.astype(jnp.float32)).astype(h_ref.dtype)
 
-    out = _compat.out_struct((P, F), x_PD.dtype, x_PD)
+    out = jax.ShapeDtypeStruct((P, F), x_PD.dtype)
     return _call(kernel, "shardlint_gmm_up", t, D, F, p, tile_group_I, num_tiles,
                  _row_specs(t, 1, True) + _weight_specs(t, 2, False), [out] * 3, 2,
                  [x_PD, wi_0_GDF, wi_1_GDF])
@@ -190,7 +203,7 @@ def _down_grad(dy_PD, wo_GFD, h0_PF, h1_PF, tile_group_I, num_tiles, p: Plan,
         dsilu_in = (dh * h1_ref[...].astype(jnp.float32)).astype(dh0_ref.dtype)
         dh0_ref[...] = (dsilu_in.astype(jnp.float32) * dsilu).astype(dh0_ref.dtype)
 
-    out = _compat.out_struct((P, F), dy_PD.dtype, dy_PD)
+    out = jax.ShapeDtypeStruct((P, F), dy_PD.dtype)
     return _call(kernel, "shardlint_gmm_down_grad", t, D, F, p, tile_group_I, num_tiles,
                  _row_specs(t, 1, True) + _weight_specs(t, 1, True) + _row_specs(t, 2, False)
                  + _scale_specs(t, scaled), [out] * 2, 1,
@@ -215,7 +228,7 @@ def _up_grad(dh0_PF, dh1_PF, wi_0_GDF, wi_1_GDF, tile_group_I, num_tiles, p: Pla
                                   preferred_element_type=jnp.float32)
         dx_ref[...] = dx.astype(dx_ref.dtype)
 
-    out = _compat.out_struct((P, D), dh0_PF.dtype, dh0_PF)
+    out = jax.ShapeDtypeStruct((P, D), dh0_PF.dtype)
     return _call(kernel, "shardlint_gmm_up_grad", t, F, D, p, tile_group_I, num_tiles,
                  _row_specs(t, 2, True) + _weight_specs(t, 2, True), [out], 2,
                  [dh0_PF, dh1_PF, wi_0_GDF, wi_1_GDF])[0]
@@ -256,23 +269,25 @@ def _tgmm(x_PK: jax.Array, dy_PN: jax.Array, tile_group_I: jax.Array,
         def _():
             o_ref[...] = acc_ref[...].astype(o_ref.dtype)
 
-    call = pl.pallas_call(
-        kernel,
-        out_shape=_compat.out_struct((num_groups, K, N), out_dtype, x_PK),
-        grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=1,
-            grid=(K // t.k, N // t.n, num_tiles),
-            in_specs=[pl.BlockSpec((t.m, t.k), lambda kb, nb, i, tg: (i, kb)),
-                      pl.BlockSpec((t.m, t.n), lambda kb, nb, i, tg: (i, nb))]
-                     + ([pl.BlockSpec((t.m, 1), lambda kb, nb, i, tg: (i, 0))] if scaled else []),
-            out_specs=pl.BlockSpec((None, t.k, t.n), lambda kb, nb, i, tg: (tg[i], kb, nb)),
-            scratch_shapes=[pltpu.VMEM((t.k, t.n), jnp.float32)]),
-        compiler_params=_params(p, ("parallel", "parallel", "arbitrary")),
-        interpret=p.interpret,
-        cost_estimate=_cost(K, P, N, x_PK.dtype.itemsize),
-        name="shardlint_tgmm",
-    )
-    return call(tile_group_I, x_PK, dy_PN, *([scale_P1] if scaled else []))
+    def call(tile_group_I, num_tiles, x_PK, *operands):
+        return pl.pallas_call(
+            kernel,
+            out_shape=_compat.out_struct((num_groups, K, N), out_dtype, x_PK, *operands),
+            grid_spec=pltpu.PrefetchScalarGridSpec(
+                num_scalar_prefetch=1,
+                grid=(K // t.k, N // t.n, num_tiles),
+                in_specs=[pl.BlockSpec((t.m, t.k), lambda kb, nb, i, tg: (i, kb)),
+                          pl.BlockSpec((t.m, t.n), lambda kb, nb, i, tg: (i, nb))]
+                         + ([pl.BlockSpec((t.m, 1), lambda kb, nb, i, tg: (i, 0))] if scaled else []),
+                out_specs=pl.BlockSpec((None, t.k, t.n), lambda kb, nb, i, tg: (tg[i], kb, nb)),
+                scratch_shapes=[pltpu.VMEM((t.k, t.n), jnp.float32)]),
+            compiler_params=_params(p, ("parallel", "parallel", "arbitrary")),
+            interpret=p.interpret,
+            cost_estimate=_cost(K, P, N, x_PK.dtype.itemsize),
+            name="shardlint_tgmm",
+        )(tile_group_I, x_PK, *operands)
+    return _launch(p, call, tile_group_I, num_tiles,
+                   [x_PK, dy_PN, *([scale_P1] if scaled else [])])
 
 
 # ---------------------------------------------------------------- the SwiGLU

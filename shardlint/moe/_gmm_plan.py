@@ -1,12 +1,13 @@
 """The choice of grouped-matmul kernel for a call, and its tiles (the kernels are `_gmm`).
 
 Which kernel runs is chosen per call (`plan`): the Pallas kernels on a TPU for bfloat16
-whose D and F tile by 128 and whose weights are whole on the device, `ragged_dot` (today's
-path, and the only one on CPU) otherwise; also where the rows vary over `shard_map`
-axes (the Pallas interpreters of JAX 0.10.2 reject that, so the path is untested on
-several devices). `grouped_kernel(...)` forces a choice for a
-scope: "xla" (ragged_dot), "pallas", or "interpret" (the Pallas kernels in interpret mode,
-any backend and dtype; what the CPU tests use).
+whose D and F tile by 128 and whose weights are whole on the device (inside `shard_map`
+too, rows varying over its axes), `ragged_dot` (today's path, and the only one on CPU)
+otherwise. `grouped_kernel(...)` forces a choice for a scope: "xla" (ragged_dot),
+"pallas", or "interpret" (the Pallas kernels in interpret mode, any backend and dtype;
+what the CPU tests use, on several simulated devices too: `_compat.per_device`). The scope
+is read when a function is traced: a jitted function keeps the kernel it was traced with
+(`ShardedRoutedMoE` keys its own jitted `shard_map` by `scope()`).
 
 The row tile comes from a cost model fitted on a v5e (`row_tile`); the blocks along K and
 N are the largest whose double-buffered operands fit the VMEM limit (`Plan.tiles`).
@@ -48,7 +49,8 @@ STATIC_ROW_COST = 0.4
 @contextlib.contextmanager
 def grouped_kernel(name: str, *, row_tile: int | None = None) -> Iterator[None]:
     """Inside, grouped matmuls use kernel `name` ("auto", "xla", "pallas", "interpret")
-    and, when given, row tiles of `row_tile` rows."""
+    and, when given, row tiles of `row_tile` rows: in what is traced inside (a function
+    jitted and traced before keeps its kernel)."""
     if name not in KERNELS:
         raise ValueError(f"grouped kernel {name!r} is not one of {KERNELS}")
     token, tm_token = _kernel.set(name), _row_tile.set(row_tile)
@@ -57,6 +59,12 @@ def grouped_kernel(name: str, *, row_tile: int | None = None) -> Iterator[None]:
     finally:
         _kernel.reset(token)
         _row_tile.reset(tm_token)
+
+
+def scope() -> tuple[str, int | None]:
+    """The kernel and row tile `grouped_kernel` set for this scope (a cache key for code
+    that jits a function calling `plan`)."""
+    return _kernel.get(), _row_tile.get()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,14 +131,12 @@ def _vmem(tm: int, tk: int, tn: int, itemsize: int, lhs: int, rhs: int, outs: in
 
 
 def plan(rows: int, dims: tuple[int, int], num_groups: int, dtype, *,
-         weights_whole: bool, varying: bool = False) -> Plan | None:
+         weights_whole: bool) -> Plan | None:
     """The Pallas plan for a grouped SwiGLU of `rows` rows, D x F = `dims`, or None for
     `ragged_dot`. `weights_whole`: the weights are whole on the device (the products'
-    custom VJP cannot be transposed by `_ring`'s schedules). `varying`: the rows vary
-    over `shard_map` axes; JAX 0.10.2's Pallas interpreters reject scalar-prefetch values
-    that vary there, so this path was never run on several devices: ragged_dot."""
+    custom VJP cannot be transposed by `_ring`'s schedules)."""
     kernel = _kernel.get()
-    if kernel == "xla" or not weights_whole or varying:
+    if kernel == "xla" or not weights_whole:
         return None
     if kernel == "interpret":
         return Plan(_row_tile.get() or 8, interpret=True)

@@ -28,6 +28,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from . import _compat
+
 _RANK_BLOCK = 256  # rows per triangular product; counts below it are exact in bfloat16
 
 
@@ -87,11 +89,21 @@ def _rank_in_group(onehot_MG: jax.Array) -> jax.Array:
     return jnp.round(rank).astype(jnp.int32)
 
 
-@jax.custom_vjp
 def permute_rows(x_ND: jax.Array, idx_P: jax.Array, inverse_NR: jax.Array) -> jax.Array:
     """out[p] = x_ND[idx_P[p]] (zero where idx_P[p] is out of range). `inverse_NR[n]`
     lists the slots that read row n (out of range: none), so that the gradient is
-    dx[n] = sum over r of g[inverse_NR[n, r]]."""
+    dx[n] = sum over r of g[inverse_NR[n, r]].
+
+    Inside `shard_map` the three are cast to vary alike first: where the indices vary over
+    an axis that x does not (expert parallelism without tokens over the expert axis: each
+    device picks its own experts' rows of the same tokens), the gradient varies over it
+    too, and a custom VJP must return it typed as x; autodiff turns the cast into the sum
+    of the gradient over that axis, which is x's gradient."""
+    return _permute_rows(*_compat.vary_alike(x_ND, idx_P, inverse_NR))
+
+
+@jax.custom_vjp
+def _permute_rows(x_ND: jax.Array, idx_P: jax.Array, inverse_NR: jax.Array) -> jax.Array:
     return _take_or_zero(x_ND, idx_P)
 
 
@@ -128,7 +140,7 @@ def _permute_rows_bwd(residuals, g_PD):
             np.zeros(inverse_NR.shape, jax.dtypes.float0))
 
 
-permute_rows.defvjp(_permute_rows_fwd, _permute_rows_bwd)
+_permute_rows.defvjp(_permute_rows_fwd, _permute_rows_bwd)
 
 
 def combine(y_PD: jax.Array, pos_TK: jax.Array,

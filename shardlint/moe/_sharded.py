@@ -43,7 +43,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from . import _compat, _layout
+from . import _compat, _gmm_plan, _layout
 from .._token_axes import TokenAxes, as_axes
 from ._axes import MoeShardingError, check_layout, infer_token_axes, static_problems
 from ._config import MoeConfig
@@ -170,9 +170,12 @@ class ShardedRoutedMoE:
         return self._sharded_fn(axes)(params, x_BSD)
 
     def _sharded_fn(self, axes: TokenAxes):
-        """The jitted shard_map for these token axes, built once (eager calls then hit the
-        jit cache; under an outer jit it is inlined)."""
-        key = (axes.batch, axes.seq)
+        """The jitted shard_map for these token axes and grouped-matmul kernel scope
+        (`_gmm_plan.grouped_kernel`, read when it traces), built once (eager calls then hit
+        the jit cache; under an outer jit it is inlined). Keyed by the scope too: jit's
+        cache would otherwise keep the kernel of the first call's scope for every later
+        one."""
+        key = (axes.batch, axes.seq, _gmm_plan.scope())
         if key not in self._fns:
             self._fns[key] = jax.jit(_compat.shard_map(
                 functools.partial(self._block, axes=axes), mesh=self.mesh,

@@ -13,8 +13,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import PartitionSpec as P
 
+import pallas_paths
 from shardlint import moe
 from shardlint.moe import _experts, _gmm, _gmm_plan, _permute
 
@@ -132,37 +132,49 @@ def test_swiglu_and_combine_as_one_vjp_equal_the_two_apart(moe_testlib):
 
 
 def _layer_vjp(moe_testlib, layer, params, kernel):
+    """The layer's output and VJP on `kernel`, traced afresh (`pallas_paths.layer_vjp`)."""
     x, r = moe_testlib.activations()
-    with _gmm_plan.grouped_kernel(kernel, row_tile=8):
-        y, back = jax.vjp(layer, params, x)
-        return jax.device_get((y, back(r)))
+    return pallas_paths.layer_vjp(layer, params, x, r, kernel, row_tile=8)
 
 
 def test_routed_moe_with_pallas_kernels_matches_today(moe_testlib):
     cfg = moe_testlib.config()
     layer = moe.RoutedMoE(cfg)
     params = layer.init(jax.random.key(0))
-    got = _layer_vjp(moe_testlib, jax.jit(layer), params, "interpret")
-    moe_testlib.assert_tree_close(got, _layer_vjp(moe_testlib, jax.jit(layer), params, "xla"))
+    got = _layer_vjp(moe_testlib, layer, params, "interpret")
+    moe_testlib.assert_tree_close(got, _layer_vjp(moe_testlib, layer, params, "xla"))
 
 
-def test_sharded_moe_with_pallas_kernels_inside_shard_map(moe_testlib):
-    """On a one-device mesh (the benchmark's) the kernels run inside shard_map; where the
-    tokens vary over mesh axes the layer keeps ragged_dot (`_gmm_plan.plan`), equal either way."""
+def test_sharded_moe_with_pallas_kernels_inside_shard_map_on_one_device(moe_testlib):
+    """On a one-device mesh (the benchmark's) the kernels run inside shard_map, called in
+    place (nothing varies over a mesh axis); several devices: test_sharded_pallas.py."""
     cfg = moe_testlib.config()
     params = moe.RoutedMoE(cfg).init(jax.random.key(0))
-    want = _layer_vjp(moe_testlib, jax.jit(moe.RoutedMoE(cfg)), params, "xla")
-    for shape in ((1, 1), (2, 2)):   # tokens sharded over no axis / over both
-        mesh = moe_testlib.make_mesh(shape, ("data", "context"))
-        axes = ((), ()) if shape == (1, 1) else ("data", "context")
-        sharded = moe.ShardedRoutedMoE(cfg, mesh, batch_axes=axes[0], seq_axes=axes[1],
-                                       weight_axes=())
-        step = jax.jit(sharded)
-        got = _layer_vjp(moe_testlib, step, params, "interpret")
-        moe_testlib.assert_tree_close(got, want)
-        with _gmm_plan.grouped_kernel("interpret", row_tile=8):
-            text = str(jax.make_jaxpr(sharded)(params, moe_testlib.activations()[0]))
-        assert ("shardlint_gmm" in text) == (shape == (1, 1)), shape
+    want = _layer_vjp(moe_testlib, moe.RoutedMoE(cfg), params, "xla")
+    mesh = moe_testlib.make_mesh((1, 1), ("data", "context"))
+    sharded = moe.ShardedRoutedMoE(cfg, mesh, batch_axes=(), seq_axes=(), weight_axes=())
+    moe_testlib.assert_tree_close(_layer_vjp(moe_testlib, sharded, params, "interpret"), want)
+    with _gmm_plan.grouped_kernel("interpret", row_tile=8):
+        text = str(jax.make_jaxpr(sharded)(params, moe_testlib.activations()[0]))
+    assert "shardlint_gmm" in text and "ragged_dot" not in text
+
+
+def test_a_layer_traces_each_kernel_scope_it_is_called_in(moe_testlib):
+    """The layer's own jitted shard_map is keyed by the kernel scope: called under "xla"
+    first, the same layer object still takes the Pallas path under "interpret" (jit's
+    cache kept the first trace for both before). Each call is traced afresh (a new
+    function), as a training step that builds its loss per run would."""
+    cfg = moe_testlib.config()
+    mesh = moe_testlib.make_mesh((1, 1), ("data", "context"))
+    layer = moe.ShardedRoutedMoE(cfg, mesh, batch_axes=(), seq_axes=(), weight_axes=())
+    params = layer.init(jax.random.key(0))
+    x = moe_testlib.activations()[0]
+    texts = {}
+    for kernel in ("xla", "interpret"):
+        with _gmm_plan.grouped_kernel(kernel, row_tile=8):
+            texts[kernel] = str(jax.make_jaxpr(lambda p, x: layer(p, x))(params, x))
+    assert "ragged_dot" in texts["xla"] and "shardlint_gmm" not in texts["xla"]
+    assert "shardlint_gmm" in texts["interpret"] and "ragged_dot" not in texts["interpret"]
 
 
 def test_plan_keeps_ragged_dot_off_the_tpu_and_for_odd_shapes():

@@ -87,3 +87,42 @@ def test_padding_rows_read_zeros_and_get_zero_gradients():
     (dx,) = back(jnp.ones_like(y))
     np.testing.assert_allclose(np.asarray(dx)[real], 3.0, rtol=1e-6)
     assert np.all(np.asarray(dx)[~real] == 0)
+
+
+def test_permute_rows_inside_shard_map_where_only_the_indices_vary():
+    """Inside shard_map, indices that vary over an axis x does not (expert parallelism
+    without tokens over the expert axis: each device takes its own experts' rows of the
+    same tokens) give x the sum of every device's gradient, as a plain gather does. The
+    custom VJP used to return that gradient typed as varying over the expert axis, for an
+    x that does not, and JAX refused the program."""
+    from jax.sharding import PartitionSpec as P
+
+    from shardlint.moe import _compat
+    from support import make_mesh
+
+    mesh = make_mesh((2, 4), ("data", "expert"))
+    N = T // 2   # rows per data shard
+
+    def rows(x_ND, gather):
+        mine_M = (jnp.arange(N) + jax.lax.axis_index("expert")) % (G + 1)   # G: no slot
+        lay = _permute.padded_layout(mine_M.astype(jnp.int32), G, TM)
+        return gather(x_ND, lay)
+
+    def custom(x_ND, lay):
+        return _permute.permute_rows(x_ND, lay.src_P, lay.pos_M[:, None])
+
+    def plain(x_ND, lay):
+        valid_P = (lay.src_P < N)[:, None]
+        return jnp.where(valid_P, x_ND[jnp.minimum(lay.src_P, N - 1)], 0.0)
+
+    def loss(gather):
+        def per_shard(x_ND):
+            y = jnp.sum(jnp.sin(rows(x_ND, gather)) * jnp.arange(1.0, D + 1.0))
+            return jax.lax.psum(y, ("data", "expert"))
+        return _compat.shard_map(per_shard, mesh=mesh, in_specs=P("data"), out_specs=P())
+
+    x = jax.random.normal(jax.random.key(5), (T, D))
+    value, dx = jax.value_and_grad(loss(custom))(x)
+    value_want, dx_want = jax.value_and_grad(loss(plain))(x)
+    np.testing.assert_allclose(value, value_want, rtol=1e-6)
+    np.testing.assert_allclose(dx, dx_want, rtol=1e-5, atol=1e-6)

@@ -1,0 +1,44 @@
+"""The one-chip check of ShardedRoutedMoE's Pallas path (`moe_pallas_one_chip.py`, run on a
+TPU chip by hand) kept working without one: on the CPU it skips, and in Pallas interpret
+mode it passes; with libtpu its programs, and the same layer's on a multi-chip mesh,
+compile for a TPU with the Mosaic kernels in them (`python -m pytest -q -m tpu`).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+import moe_pallas_one_chip as one_chip
+
+
+def test_without_a_tpu_it_prints_one_skip_line(capsys):
+    assert one_chip.main([]) == 0
+    assert capsys.readouterr().out.startswith("skip: no TPU")
+
+
+def test_in_interpret_mode_the_check_passes(capsys):
+    """The case whose rows and weights vary over the mesh axes, one device's values at a
+    time through the kernels (the others: `-m slow` runs them all)."""
+    assert one_chip.main(["--interpret", "--case", "tokens over data x context"]) == 0
+    out = capsys.readouterr().out
+    assert "PASS: tokens over data x context" in out and "FAIL" not in out
+
+
+@pytest.mark.slow
+def test_in_interpret_mode_every_case_passes(capsys):
+    assert one_chip.main(["--interpret"]) == 0
+    assert capsys.readouterr().out.count("PASS: ") == len(one_chip.CASES)
+
+
+@pytest.mark.tpu
+def test_the_one_chip_programs_compile_for_a_tpu(capsys):
+    assert one_chip.compile_only("v5e:1x1") == []
+
+
+@pytest.mark.tpu
+def test_the_pallas_path_compiles_on_a_multi_chip_mesh(capsys):
+    """8 chips: tokens over data x context (2 x 4), and an expert axis that shards the
+    expert weights but no tokens (2 x 2 x 2). The expert weights whole along D
+    (`weight_axes=()`), as the Pallas path needs."""
+    shapes = {"tokens over data x context": (2, 4), "experts over an expert axis": (2, 2, 2)}
+    assert one_chip.compile_only("v5e:2x4", shapes, names=tuple(shapes), weight_axes=()) == []
