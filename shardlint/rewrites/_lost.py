@@ -53,7 +53,7 @@ def lost_in(step, args, progress, analysis=None, params_argnums=None) -> Lost:
     # where only the batch is sharded. On flattened tokens (a flatten that kept them sharded:
     # the batch alone, or one batch row per device), the token dimension's axes, split into
     # batch and sequence as the argument the tokens come from has them.
-    routing = [t for f in lost if f.op in ROUTING_FINDING_OPS
+    routing = [t for f in lost if f.op in ROUTING_FINDING_OPS and _on_routed_path(f)
                for t in [_tokens_of(f) if len(f.operand_spec) >= 3
                          else _flat_tokens(f, args, analysis) if f.feeds_grouped_matmul else None]
                if t is not None and t.axes.all]
@@ -64,6 +64,12 @@ def lost_in(step, args, progress, analysis=None, params_argnums=None) -> Lost:
                            f"({sorted((a.batch, a.seq) for a in found)}); pass batch_axes= and "
                            "seq_axes= to choose")
     return Lost(next(iter(found.values())) if found else None, lines)
+
+
+def _on_routed_path(finding) -> bool:
+    """A routing op is; a matmul only where it feeds the experts (a capacity dispatch
+    einsum, a router matmul XLA names for top_k's gather), not attention's."""
+    return finding.op != "dot_general" or finding.feeds_grouped_matmul
 
 
 def _tokens_of(finding) -> Tokens:

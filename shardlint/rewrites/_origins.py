@@ -179,10 +179,10 @@ def from_configuration(jaxpr, stand_ins: set) -> frozenset:
                         found.add(inner)
                 walk(sub.jaxpr)
                 for out, inner in zip(eqn.outvars, sub.jaxpr.outvars):
-                    if inner in found:
-                        found.add(out)
-                    elif _jax.is_literal(inner) or inner in fixed:
+                    if _jax.is_literal(inner) or inner in fixed:   # a body may return a literal
                         fixed.add(out)
+                    elif inner in found:
+                        found.add(out)
             elif all(a in found or a in fixed for a in ins):
                 (found if any(a in found for a in ins) else fixed).update(eqn.outvars)
 
