@@ -22,8 +22,6 @@ _LENT = {
     "helper_frames": "shardlint.analyzer._frames",
     "shown_frames": "shardlint.analyzer._frames",
     "frames_text": "shardlint.analyzer._frames",
-    "normalize_op_path": "shardlint.analyzer._op_paths",
-    "primitive_of": "shardlint.analyzer._collectives",
     "mesh_of": "shardlint.analyzer._compile",
     "in_context_as_jit": "shardlint.analyzer._lower",
     "parameter_argnums": "shardlint.analyzer._compile",
@@ -38,8 +36,6 @@ _LENT = {
     "is_grouped_matmul_eqn": "shardlint.analyzer._patterns",
     "reads_expert_weights": "shardlint.analyzer._patterns",
     "reshape_groups": "shardlint.analyzer._detect",
-    "ROUTING_PRIMITIVES": "shardlint.analyzer._ops",
-    "ROUTING_FINDING_OPS": "shardlint.analyzer._ops",
     # gate: what the check command words and records
     "mesh_text": "shardlint.gate._compare",
     "record": "shardlint.gate._gate",

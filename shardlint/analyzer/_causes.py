@@ -39,8 +39,8 @@ from ._attribution import attribute
 from ._detect import describe, neighbourhood
 from ._graph import dims_of, node_of, sharding_of, source_of, stack_key
 from ._hlo import HloModule
-from ._op_paths import is_backward, primitive_of
-from ._ops import NEEDS_WHOLE, TOKEN_PRIMITIVES, WRITTEN_COLLECTIVES, lowered_to
+from .._op_paths import is_backward, primitive_of
+from .._ops import NEEDS_WHOLE, TOKEN_PRIMITIVES, WRITTEN_COLLECTIVES, lowered_to
 from ._patterns import feeds_grouped_matmul
 from ._model import Collective, Finding, Requested, Source
 from ._stablehlo import Asked

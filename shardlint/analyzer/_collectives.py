@@ -24,7 +24,7 @@ from .._vocab import COLLECTIVE_KINDS, CollectiveKind
 from ._devices import MeshInfo, axes_of_groups, axes_of_pairs, parse_replica_groups, replica_group_axes
 from ._hlo import ArrayType, HloModule, Instruction
 from ._model import Collective, Source
-from ._op_paths import primitive_of as primitive_of
+from .._op_paths import primitive_of
 from ._readers import Readers
 from ._stack import shown, user_stack
 from ._trips import executions

@@ -27,7 +27,7 @@ from .._vocab import COLLECTIVE_KINDS, BufferRole, CollectiveKind
 from ._frames import shown_frames
 from ._hlo import HloModule, Instruction
 from ._live_range import LiveRanges
-from ._op_paths import is_backward, primitive_of
+from .._op_paths import is_backward, primitive_of
 from ._model import Collective, PeakBuffer, Source
 from ._stack import user_sources
 

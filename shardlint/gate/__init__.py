@@ -26,6 +26,6 @@ from ._gate import check_step as check_step
 from ._gate import default_root as default_root
 from ._keys import CollectiveKey as CollectiveKey
 from ._keys import collective_key as collective_key
-from ..internal import normalize_op_path as normalize_op_path
+from .._op_paths import normalize_op_path as normalize_op_path
 from .._format import relative_source as relative_source
 from ._sarif import sarif_json as sarif_json

@@ -30,7 +30,7 @@ from .._errors import UsageError
 from .._files import write_text
 from .._format import human_bytes, source_text
 from ..analyzer import Analysis, Collective, Finding, Source, scope_tree
-from ..internal import normalize_op_path
+from .._op_paths import normalize_op_path
 from ..gate import CollectiveKey, collective_key
 from ._svg import memory_chart_svg, neighbourhood_svg
 from ._text import verb_phrase
