@@ -15,13 +15,7 @@ from typing import Any
 # name -> the private module that defines it
 _LENT = {
     # analyzer: reading source frames, meshes, devices and the program's patterns
-    "display_path": "shardlint.analyzer._stack",
-    "is_jax_shim": "shardlint.analyzer._stack",
-    "is_library_file": "shardlint.analyzer._stack",
-    "user_line": "shardlint.analyzer._stack",
     "helper_frames": "shardlint.analyzer._frames",
-    "shown_frames": "shardlint.analyzer._frames",
-    "frames_text": "shardlint.analyzer._frames",
     "mesh_of": "shardlint.analyzer._compile",
     "in_context_as_jit": "shardlint.analyzer._lower",
     "parameter_argnums": "shardlint.analyzer._compile",

@@ -25,7 +25,7 @@ from ._model import GraphNode as GraphNode
 from ._model import Memory as Memory
 from ._model import Neighbourhood as Neighbourhood
 from ._model import Requested as Requested
-from ._model import Source as Source
+from .._source import Source as Source
 from ._scopes import ScopeNode as ScopeNode
 from ._scopes import Traffic as Traffic
 from ._scopes import scope_tree as scope_tree

@@ -44,7 +44,7 @@ from .._ops import NEEDS_WHOLE, TOKEN_PRIMITIVES, WRITTEN_COLLECTIVES, lowered_t
 from ._patterns import feeds_grouped_matmul
 from ._model import Collective, Finding, Requested, Source
 from ._stablehlo import Asked
-from ._stack import user_sources, user_stack
+from .._source import user_sources, user_stack
 from ._wayout import resharded_way_out, unsplit_way_out
 from ._xla_log import Remat
 

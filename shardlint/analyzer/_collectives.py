@@ -26,7 +26,7 @@ from ._hlo import ArrayType, HloModule, Instruction
 from ._model import Collective, Source
 from .._op_paths import primitive_of
 from ._readers import Readers
-from ._stack import shown, user_stack
+from .._source import shown, user_stack
 from ._trips import executions
 
 _READ_BY_CONSUMER = {CollectiveKind.ALL_GATHER, CollectiveKind.ALL_TO_ALL, CollectiveKind.RAGGED_ALL_TO_ALL,

@@ -20,6 +20,7 @@ import sys
 from typing import Any, Callable
 
 from .._errors import ShardlintError, UsageError
+from .._source import user_line
 
 
 def parse_mesh_spec(text: str) -> dict[str, int]:
@@ -114,8 +115,6 @@ def load_target(target: str) -> Callable:
 
 def _raised_at(error: Exception) -> str:
     """Where in the user's code `error` came from (` at model.py:12 in make_step (...)`)."""
-    from ..internal import user_line   # imports the analyzer, and JAX: only once it failed
-
     return user_line(error)
 
 

@@ -37,7 +37,8 @@ from ._text import verb_phrase
 from ..internal import peak_lines
 from ._data import sweep_scalings
 from ._sweep import check_sweep, sweep_summary
-from ..internal import helper_frames, shown_frames
+from .._source import shown_frames
+from ..internal import helper_frames
 
 REPORT_SCHEMA = "shardlint.report/1"
 _TEMPLATES = Path(__file__).with_name("templates")

@@ -8,7 +8,8 @@ from .._files import write_text
 from .._format import clip, human_bytes
 from .._vocab import FindingKind, said, words
 from ..analyzer import Analysis, scope_tree
-from ..internal import frames_text, helper_frames, peak_lines, unsourced
+from .._source import frames_text
+from ..internal import helper_frames, peak_lines, unsourced
 
 
 def format_text(analysis: Analysis, title: str = "", fit=None) -> str:

@@ -27,7 +27,8 @@ from .. import _jax
 from .._errors import RewriteError
 from .._ops import ROUTING_PRIMITIVES
 from .._token_axes import TokenAxes
-from ..internal import display_path, is_expert_batched_eqn, is_grouped_matmul_eqn, reads_expert_weights
+from .._source import display_path
+from ..internal import is_expert_batched_eqn, is_grouped_matmul_eqn, reads_expert_weights
 from . import _refusals
 from ._flow import connected_parts, downstream, reaches, variables
 from ._subjaxprs import sub_of
