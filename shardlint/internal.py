@@ -14,22 +14,6 @@ from typing import Any
 
 # name -> the private module that defines it
 _LENT = {
-    # analyzer: reading source frames, meshes, devices and the program's patterns
-    "helper_frames": "shardlint.analyzer._frames",
-    "mesh_of": "shardlint.analyzer._compile",
-    "in_context_as_jit": "shardlint.analyzer._lower",
-    "parameter_argnums": "shardlint.analyzer._compile",
-    "topology_devices": "shardlint.analyzer._topology",
-    "topology_mesh": "shardlint.analyzer._topology",
-    "fit_of": "shardlint.analyzer._fit",
-    "MemoryScaling": "shardlint.analyzer._scaling",
-    "memory_scaling": "shardlint.analyzer._scaling",
-    "peak_lines": "shardlint.analyzer._peak",
-    "unsourced": "shardlint.analyzer._peak",
-    "is_expert_batched_eqn": "shardlint.analyzer._patterns",
-    "is_grouped_matmul_eqn": "shardlint.analyzer._patterns",
-    "reads_expert_weights": "shardlint.analyzer._patterns",
-    "reshape_groups": "shardlint.analyzer._detect",
     # gate: what the check command words and records
     "mesh_text": "shardlint.gate._compare",
     "record": "shardlint.gate._gate",

@@ -204,7 +204,7 @@ def _described(value) -> str:
 def mesh_of_args(args, target: str):
     """The mesh a target that built its own put its arguments on (`--devices`)."""
     from .._errors import AnalysisError
-    from ..internal import mesh_of
+    from ..analyzer import mesh_of
 
     try:
         return mesh_of(args)
@@ -214,7 +214,7 @@ def mesh_of_args(args, target: str):
 
 def check_mesh(args, mesh) -> None:
     """The arguments' mesh must be the one `--mesh` built."""
-    from ..internal import mesh_of
+    from ..analyzer import mesh_of
 
     theirs = mesh_of(args)
     if (tuple(theirs.axis_names), theirs.devices.shape) != (tuple(mesh.axis_names), mesh.devices.shape):
@@ -226,6 +226,6 @@ def check_mesh(args, mesh) -> None:
 
 def build_topology_mesh(axes: dict[str, int], topology: str):
     """A mesh over the compile-only devices of a TPU topology (`--topology v5p:2x2x1`)."""
-    from ..internal import topology_mesh
+    from ..analyzer import topology_mesh
 
     return topology_mesh(axes, topology)
