@@ -144,7 +144,7 @@ def _report(args) -> int:
 
 def _write_report(args, pair, points, title: str, note: str) -> None:
     """The page, its data (`--json`) and the summary on stdout."""
-    from ..internal import mesh_text
+    from ..gate import mesh_text
     from ..reports import write_html, write_report_data
     from ._summary import summary
 
