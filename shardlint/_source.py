@@ -44,11 +44,10 @@ _MACHINERY_MODULES = ("cli.py", "pytest_plugin.py", "testing.py")
 _INSTALL_DIRS = ("site-packages", "dist-packages")
 
 
+# One frame of a stack: a file (absolute as traced, or as a user reads it once `shown`), a
+# line, and the function the line is in.
 @dataclasses.dataclass(frozen=True)
 class Source:
-    """One frame of a stack: a file (absolute as traced, or as a user reads it once
-    `shown`), a line, and the function the line is in."""
-
     file: str
     line: int
     function: str = ""
