@@ -11,6 +11,8 @@ import warnings
 
 import jax
 
+from ._source import is_jax_shim
+
 
 def kept_argument_indices(lowered, count: int) -> tuple[int, ...]:
     """Which flat arguments the compiled program kept as entry parameters, in order.
@@ -119,8 +121,6 @@ def user_frame(eqn) -> tuple[str, int] | None:
     (`source_info_util.user_frames`, private), passing over functions installed in place
     of JAX's own (MaxText's compat shim around `jax.lax.top_k`), as the analyzer does."""
     from jax._src import source_info_util
-
-    from .internal import is_jax_shim
 
     traceback = eqn.source_info.traceback
     frames = source_info_util.user_frames(traceback) if traceback else ()

@@ -18,7 +18,7 @@ from .._vocab import CollectiveKind
 from ._devices import MeshInfo
 from ._graph import around, dims_of, node_of, sharding_of, source_of
 from ._model import Collective
-from ._op_paths import is_backward
+from .._op_paths import is_backward
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

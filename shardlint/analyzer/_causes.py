@@ -39,12 +39,12 @@ from ._attribution import attribute
 from ._detect import describe, neighbourhood
 from ._graph import dims_of, node_of, sharding_of, source_of, stack_key
 from ._hlo import HloModule
-from ._op_paths import is_backward, primitive_of
-from ._ops import NEEDS_WHOLE, TOKEN_PRIMITIVES, WRITTEN_COLLECTIVES, lowered_to
+from .._op_paths import is_backward, primitive_of
+from .._ops import NEEDS_WHOLE, TOKEN_PRIMITIVES, WRITTEN_COLLECTIVES, lowered_to
 from ._patterns import feeds_grouped_matmul
-from ._model import Collective, Finding, Requested, Source
+from ._model import Collective, Finding, Requested
 from ._stablehlo import Asked
-from ._stack import user_sources, user_stack
+from .._source import Source, user_sources, user_stack
 from ._wayout import resharded_way_out, unsplit_way_out
 from ._xla_log import Remat
 

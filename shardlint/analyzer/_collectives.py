@@ -23,10 +23,10 @@ from __future__ import annotations
 from .._vocab import COLLECTIVE_KINDS, CollectiveKind
 from ._devices import MeshInfo, axes_of_groups, axes_of_pairs, parse_replica_groups, replica_group_axes
 from ._hlo import ArrayType, HloModule, Instruction
-from ._model import Collective, Source
-from ._op_paths import primitive_of as primitive_of
+from ._model import Collective
+from .._op_paths import primitive_of
 from ._readers import Readers
-from ._stack import shown, user_stack
+from .._source import Source, shown, user_stack
 from ._trips import executions
 
 _READ_BY_CONSUMER = {CollectiveKind.ALL_GATHER, CollectiveKind.ALL_TO_ALL, CollectiveKind.RAGGED_ALL_TO_ALL,

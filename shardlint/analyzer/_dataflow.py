@@ -30,7 +30,7 @@ import dataclasses
 
 from .._vocab import COLLECTIVE_KINDS
 from ._hlo import HloModule, Instruction
-from ._ops import TOKEN_OPCODES
+from .._ops import TOKEN_OPCODES
 
 COMPUTED = 1
 

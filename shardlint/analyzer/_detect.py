@@ -19,9 +19,9 @@ from .._vocab import FindingKind
 from ._devices import MeshInfo, Sharding
 from ._attribution import Drop, attribute, link
 from ._graph import around, dims_of, node_of, operand_of, reshape_groups, sharding_of, source_of
-from ._stack import user_sources
+from .._source import user_sources
 from ._model import Collective, Finding, GraphNode, Neighbourhood, Requested
-from ._op_paths import is_backward
+from .._op_paths import is_backward
 from ._patterns import feeds_grouped_matmul
 from ._wayout import dropped_way_out
 

@@ -15,8 +15,7 @@ import networkx as nx
 
 from ._devices import MeshInfo, Sharding, parse_tuple_sharding
 from ._hlo import ArrayType, HloModule, Instruction
-from ._model import Source
-from ._stack import display_path, shown, user_sources
+from .._source import Source, display_path, shown, user_sources
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

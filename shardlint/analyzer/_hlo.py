@@ -37,6 +37,7 @@ import math
 import re
 
 from .._errors import HloParseError
+from .._source import Source
 from ._hlo_text import (
     _OPERAND_RE,
     _unclosed,
@@ -55,7 +56,6 @@ from ._hlo_text import (
     _window,
     _x_ints,
 )
-from ._model import Source
 from ._stack import _TABLES, _unquote, parse_stack_frames
 
 # Bytes per element of every element type XLA prints (xla_data.proto's PrimitiveType, as

@@ -28,7 +28,7 @@ from typing import Any, Callable, ContextManager
 
 from .. import _jax
 from .._errors import AnalysisError, first_line
-from ._stack import user_line
+from .._source import user_line
 
 
 @dataclasses.dataclass(frozen=True)

@@ -15,19 +15,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from .._source import Source
 from .._vocab import ArgumentRole, BufferRole, Cause, CollectiveKind, FindingKind
 
 SCHEMA = "shardlint.analysis/3"
-
-
-@dataclasses.dataclass(frozen=True)
-class Source:
-    file: str
-    line: int
-    function: str = ""
-
-    def __str__(self) -> str:
-        return f"{self.file}:{self.line}"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

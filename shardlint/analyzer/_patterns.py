@@ -17,8 +17,8 @@ import networkx as nx
 
 from ._dataflow import MOVES
 from ._graph import dims_of, node_of, operand_of, reshape_groups
-from ._op_paths import is_backward
-from ._ops import JAXPR_LAYOUT, SAME_DIMS, WEIGHT_PATH_OPCODES
+from .._op_paths import is_backward
+from .._ops import JAXPR_LAYOUT, SAME_DIMS, WEIGHT_PATH_OPCODES
 
 GROUPED_MATMUL_PRIMITIVES = ("ragged_dot_general", "ragged_dot", "gmm", "tgmm")
 _GMM_TARGET_WORDS = ("gmm", "ragged", "grouped", "megablox", "tgmm")

@@ -24,12 +24,11 @@ import dataclasses
 
 from ._buffers import Allocation, Slot
 from .._vocab import COLLECTIVE_KINDS, BufferRole, CollectiveKind
-from ._frames import shown_frames
 from ._hlo import HloModule, Instruction
 from ._live_range import LiveRanges
-from ._op_paths import is_backward, primitive_of
-from ._model import Collective, PeakBuffer, Source
-from ._stack import user_sources
+from .._op_paths import is_backward, primitive_of
+from ._model import Collective, PeakBuffer
+from .._source import Source, shown_frames, user_sources
 
 _ROLES = (BufferRole.TEMP, BufferRole.ARGUMENT, BufferRole.OUTPUT, BufferRole.CONSTANT)
 # The ops of temp no buffer holds: what the executable counts beyond its buffer assignment,

@@ -16,9 +16,9 @@ from __future__ import annotations
 
 from .._vocab import CollectiveKind
 from ._hlo import HloModule, Instruction
-from ._op_paths import is_backward, primitive_of, transform_of
-from ._ops import NEEDS_WHOLE
-from ._stack import user_stack
+from .._op_paths import is_backward, primitive_of, transform_of
+from .._ops import NEEDS_WHOLE
+from .._source import user_stack
 
 _PASS_THROUGH = {"get-tuple-element", "bitcast", "copy", "tuple", "reshape", "transpose",
                  "all-gather-done", "all-to-all-done", "collective-permute-done", "async-done",

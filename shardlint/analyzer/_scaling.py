@@ -17,7 +17,8 @@ import dataclasses
 import math
 
 from .._format import human_bytes
-from ._model import Analysis, Source
+from .._source import Source
+from ._model import Analysis
 from ._frames import helper_frames
 from ._peak import peak_lines, unsourced
 

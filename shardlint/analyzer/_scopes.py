@@ -15,7 +15,7 @@ import collections
 import dataclasses
 
 from ._model import Analysis
-from ._op_paths import BACKWARD, FORWARD, scope_of
+from .._op_paths import BACKWARD, FORWARD, scope_of
 
 
 @dataclasses.dataclass(frozen=True)

@@ -19,7 +19,7 @@ flattened). A cumulative sum is run per shard only with `--per-shard-capacity`.
 
 from __future__ import annotations
 
-from ._ops import CUMULATIVE, PER_SHARD_OPS
+from .._ops import CUMULATIVE, PER_SHARD_OPS
 
 REWRITE = "`shardlint analyze --rewrite`"
 

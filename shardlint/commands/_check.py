@@ -14,9 +14,8 @@ import shlex
 from typing import Callable
 
 from .._vocab import COLLECTIVE_KINDS
-from ..gate import (BaselineError, BaselineRef, compare, default_root, parse_kinds,
-                    parse_tolerance, read_baseline, render)
-from ..internal import headline, mesh_text, record
+from ..gate import (BaselineError, BaselineRef, compare, default_root, headline, mesh_text,
+                    parse_kinds, parse_tolerance, read_baseline, record, render)
 
 
 def update_command(target: str | None, mesh: str | None, baseline: str, root: str | None = None,

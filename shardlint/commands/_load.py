@@ -66,7 +66,7 @@ def load(args):
         if not topology:
             raise UsageError("give --mesh AXES (the target gets that mesh), --devices N (it builds "
                              "its own), or --topology NAME (it builds its own over a TPU topology)")
-        from ..internal import topology_devices
+        from ..analyzer import topology_devices
 
         devices = topology_devices(topology)
         progress(f"tracing {args.target} (mesh=None, the {len(devices)} chips of {topology})")

@@ -22,7 +22,7 @@ def analyze_command(args) -> int:
 
 
 def _analyze(args, from_dump: bool) -> int:
-    from ..internal import fit_of
+    from ..analyzer import fit_of
     from ..reports import format_scopes, format_text, write_json
     from ._sweep import analyze_pair
 
@@ -144,7 +144,7 @@ def _report(args) -> int:
 
 def _write_report(args, pair, points, title: str, note: str) -> None:
     """The page, its data (`--json`) and the summary on stdout."""
-    from ..internal import mesh_text
+    from ..gate import mesh_text
     from ..reports import write_html, write_report_data
     from ._summary import summary
 
@@ -175,7 +175,7 @@ def _sweep(args, plan, rewrite: bool, known=None) -> dict:
 
 def _report_fit(args, before, after) -> bool:
     """Prints the memory fit of each side; False when the step as reported would not fit."""
-    from ..internal import fit_of
+    from ..analyzer import fit_of
 
     for label, analysis in (("step", before), ("rewritten step", after)):
         fit = fit_of(analysis, args.hbm_gib) if analysis is not None else None

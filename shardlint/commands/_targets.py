@@ -20,6 +20,7 @@ import sys
 from typing import Any, Callable
 
 from .._errors import ShardlintError, UsageError
+from .._source import user_line
 
 
 def parse_mesh_spec(text: str) -> dict[str, int]:
@@ -114,8 +115,6 @@ def load_target(target: str) -> Callable:
 
 def _raised_at(error: Exception) -> str:
     """Where in the user's code `error` came from (` at model.py:12 in make_step (...)`)."""
-    from ..internal import user_line   # imports the analyzer, and JAX: only once it failed
-
     return user_line(error)
 
 
@@ -205,7 +204,7 @@ def _described(value) -> str:
 def mesh_of_args(args, target: str):
     """The mesh a target that built its own put its arguments on (`--devices`)."""
     from .._errors import AnalysisError
-    from ..internal import mesh_of
+    from ..analyzer import mesh_of
 
     try:
         return mesh_of(args)
@@ -215,7 +214,7 @@ def mesh_of_args(args, target: str):
 
 def check_mesh(args, mesh) -> None:
     """The arguments' mesh must be the one `--mesh` built."""
-    from ..internal import mesh_of
+    from ..analyzer import mesh_of
 
     theirs = mesh_of(args)
     if (tuple(theirs.axis_names), theirs.devices.shape) != (tuple(mesh.axis_names), mesh.devices.shape):
@@ -227,6 +226,6 @@ def check_mesh(args, mesh) -> None:
 
 def build_topology_mesh(axes: dict[str, int], topology: str):
     """A mesh over the compile-only devices of a TPU topology (`--topology v5p:2x2x1`)."""
-    from ..internal import topology_mesh
+    from ..analyzer import topology_mesh
 
     return topology_mesh(axes, topology)

@@ -14,6 +14,7 @@ from .._vocab import ChangeState as ChangeState
 from ._compare import Change as Change
 from ._compare import CheckResult as CheckResult
 from ._compare import compare as compare
+from ._compare import mesh_text as mesh_text
 from ._compare import parse_kinds as parse_kinds
 from ._compare import parse_tolerance as parse_tolerance
 from ._formats import FORMATS as FORMATS
@@ -24,8 +25,10 @@ from ._formats import render as render
 from ._gate import BaselineRef as BaselineRef
 from ._gate import check_step as check_step
 from ._gate import default_root as default_root
+from ._gate import record as record
 from ._keys import CollectiveKey as CollectiveKey
 from ._keys import collective_key as collective_key
-from ..internal import normalize_op_path as normalize_op_path
+from .._op_paths import normalize_op_path as normalize_op_path
 from .._format import relative_source as relative_source
 from ._sarif import sarif_json as sarif_json
+from ._wording import headline as headline

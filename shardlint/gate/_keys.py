@@ -10,7 +10,7 @@ per-device shape and dtype.
 The key is a `CollectiveKey` record; its text (`str()`, the fields joined with " | ", '-'
 for an empty one) is what baseline files hold, and `CollectiveKey.parse` reads it back.
 
-Op paths are read by `analyzer._op_paths` (`normalize_op_path`, for display).
+Op paths are read by `shardlint._op_paths` (`normalize_op_path`, for display).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import dataclasses
 
 from .._format import relative_source
 from ..analyzer import Collective
-from ..internal import primitive_of
+from .._op_paths import primitive_of
 
 SEPARATOR = " | "
 _NONE = "-"

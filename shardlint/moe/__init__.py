@@ -9,5 +9,6 @@ from ._config import Sizes as Sizes
 from ._experts import init_moe_params as init_moe_params
 from ._qwen3_next import Qwen3NextSparseMoeBlock as Qwen3NextSparseMoeBlock
 from ._reference import RoutedMoE as RoutedMoE
+from ._reference import served_by as served_by
 from ._routing import route as route
 from ._sharded import ShardedRoutedMoE as ShardedRoutedMoE

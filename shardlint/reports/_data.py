@@ -23,8 +23,7 @@ import json
 from typing import Any
 
 from .._files import write_text
-from ..analyzer import Analysis
-from ..internal import MemoryScaling, memory_scaling
+from ..analyzer import Analysis, MemoryScaling, memory_scaling
 from ._sweep import check_sweep
 
 REPORT_DATA_SCHEMA = "shardlint.report-data/1"

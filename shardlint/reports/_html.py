@@ -29,15 +29,14 @@ from markupsafe import Markup
 from .._errors import UsageError
 from .._files import write_text
 from .._format import human_bytes, source_text
-from ..analyzer import Analysis, Collective, Finding, Source, scope_tree
-from ..internal import normalize_op_path
+from ..analyzer import Analysis, Collective, Finding, Source, helper_frames, peak_lines, scope_tree
+from .._op_paths import normalize_op_path
+from .._source import shown_frames
 from ..gate import CollectiveKey, collective_key
 from ._svg import memory_chart_svg, neighbourhood_svg
 from ._text import verb_phrase
-from ..internal import peak_lines
 from ._data import sweep_scalings
 from ._sweep import check_sweep, sweep_summary
-from ..internal import helper_frames, shown_frames
 
 REPORT_SCHEMA = "shardlint.report/1"
 _TEMPLATES = Path(__file__).with_name("templates")

@@ -7,8 +7,8 @@ import json
 from .._files import write_text
 from .._format import clip, human_bytes
 from .._vocab import FindingKind, said, words
-from ..analyzer import Analysis, scope_tree
-from ..internal import frames_text, helper_frames, peak_lines, unsourced
+from ..analyzer import Analysis, helper_frames, peak_lines, scope_tree, unsourced
+from .._source import frames_text
 
 
 def format_text(analysis: Analysis, title: str = "", fit=None) -> str:

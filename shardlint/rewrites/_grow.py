@@ -25,9 +25,10 @@ import functools
 
 from .. import _jax
 from .._errors import RewriteError
+from .._ops import ROUTING_PRIMITIVES
 from .._token_axes import TokenAxes
-from ..internal import (ROUTING_PRIMITIVES, display_path, is_expert_batched_eqn,
-                        is_grouped_matmul_eqn, reads_expert_weights)
+from .._source import display_path
+from ..analyzer import is_expert_batched_eqn, is_grouped_matmul_eqn, reads_expert_weights
 from . import _refusals
 from ._flow import connected_parts, downstream, reaches, variables
 from ._subjaxprs import sub_of

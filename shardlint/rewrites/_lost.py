@@ -16,7 +16,7 @@ import jax
 from .._errors import RewriteError
 from .._token_axes import TokenAxes, as_axes
 from .._vocab import ArgumentRole, Cause
-from ..internal import ROUTING_FINDING_OPS
+from .._ops import ROUTING_FINDING_OPS
 from ._trace import Tokens
 
 

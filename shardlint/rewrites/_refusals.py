@@ -11,7 +11,7 @@ from __future__ import annotations
 from .. import _jax
 from .._errors import RewriteError
 from .._token_axes import as_axes
-from ..internal import display_path
+from .._source import display_path
 
 CUMULATIVE = {"cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp"}
 # Producers whose non-token result is a sum over tokens: psum across shards restores it.

@@ -21,7 +21,7 @@ import jax
 from .._errors import NothingToRewrite, RewriteError, ShardlintError, first_line
 from .._token_axes import TokenAxes
 from .._wrapped import is_nnx_jit
-from ..internal import display_path, is_library_file
+from .._source import display_path, is_library_file
 from ._lost import lost_in
 from ._nnx import NnxRewrittenStep
 from ._rewritten import RewrittenStep, warn_unchanged

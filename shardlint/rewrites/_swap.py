@@ -1,6 +1,6 @@
 """The route for models built on `shardlint.moe`: trace the step again with every
 `RoutedMoE` call served by a `ShardedRoutedMoE` of the same config on the same parameters
-(`moe._reference.served_by`, a context variable: the class is never patched).
+(`shardlint.moe.served_by`, a context variable: the class is never patched).
 
 Swapping the layer before differentiation means JAX differentiates the sharded layer
 itself, so a step with `value_and_grad` inside needs nothing more. The dense strategy is
@@ -23,7 +23,7 @@ from ._step import JittedStep
 
 def uses_routed_moe(step: Callable, args) -> list:
     """The RoutedMoE configs the step calls (traced abstractly, nothing runs)."""
-    from ..internal import served_by
+    from ..moe import served_by
 
     seen = []
 
@@ -61,8 +61,7 @@ class SwappedStep(JittedStep):
         self.changed = True
 
     def _call(self, body: Callable, *args):
-        from ..moe import ShardedRoutedMoE
-        from ..internal import served_by
+        from ..moe import ShardedRoutedMoE, served_by
 
         swapped = []
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from .. import _jax
 from .._token_axes import TokenAxes, as_axes
-from ..internal import reshape_groups
+from ..analyzer import reshape_groups
 from . import _refusals
 from ._flow import variables
 from ._subjaxprs import sub_of

@@ -30,7 +30,7 @@ from jax.sharding import PartitionSpec as P
 from .._errors import RewriteError, first_line
 from .._token_axes import TokenAxes, as_axes, degree
 from .._wrapped import unwrap
-from ..internal import in_context_as_jit, parameter_argnums
+from ..analyzer import in_context_as_jit, parameter_argnums
 from ._jitted import jit_equation
 from ._retrace import ShardShapes, shard_shapes
 from ._shard_shapes import Unfit

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from shardlint.analyzer import _ops
+from shardlint import _ops
 
 
 def test_each_role_keeps_its_members():

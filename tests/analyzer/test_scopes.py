@@ -8,7 +8,7 @@ import functools
 
 import shardlint
 from shardlint.analyzer import scope_tree
-from shardlint.analyzer._op_paths import BACKWARD, FORWARD, scope_of
+from shardlint._op_paths import BACKWARD, FORWARD, scope_of
 from shardlint.examples import decoder
 
 from support import build_mesh

@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec as P
 
 from shardlint.analyzer import Source, _detect, _hlo
 from shardlint.analyzer._hlo import parse_hlo
-from shardlint.analyzer._stack import display_path, user_stack
+from shardlint._source import display_path, user_stack
 from shardlint.examples import steps
 from shardlint.moe import _routing
 
@@ -171,7 +171,7 @@ def test_xla_prints_the_parent_frame_plus_one():
 
 def test_display_path_of_a_package_off_sys_path_is_relative_to_its_root(tmp_path, monkeypatch):
     # An editable install imports through a finder, not a sys.path entry.
-    from shardlint.analyzer._stack import display_path
+    from shardlint._source import display_path
 
     (tmp_path / "proj" / "pkg" / "sub").mkdir(parents=True)
     for folder in ("pkg", "pkg/sub"):

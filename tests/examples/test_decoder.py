@@ -20,7 +20,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import shardlint
-from shardlint.analyzer._stack import display_path
+from shardlint._source import display_path
 from shardlint.examples import decoder
 from shardlint.moe import RoutedMoE
 

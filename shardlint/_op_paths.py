@@ -10,6 +10,9 @@ Named scopes may contain '/' and sit inside a wrapper (`transpose(jvp(moe/route)
 wrappers are removed from the whole path before it is split. XLA names a collective that
 it merged from several ops (a tuple all-reduce of gradients) `prefix/(a/op1:b/op2)`; each
 member is normalised on its own, giving `step/(op1:op2)`.
+
+A leaf beside `_vocab` (it imports nothing of shardlint's): the analyzer, the gate and the
+reports read op paths through it alike.
 """
 
 from __future__ import annotations

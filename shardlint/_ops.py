@@ -11,6 +11,9 @@ The roles keep what each consumer asked before the table existed, member for mem
 those sets disagree in places (the routing sets name different cumulative ops; the HLO
 parameter walk counts slices and gathers as layout, the jaxpr walk does not); the
 disagreements stay visible here as separate roles rather than being merged.
+
+A leaf beside `_vocab` (it imports nothing of shardlint's): the analyzer, the rewrites and
+the gate read it alike.
 """
 
 from __future__ import annotations
@@ -124,6 +127,6 @@ ROUTING_FINDING_OPS = primitives(Role.ROUTING_FINDING) | opcodes(Role.ROUTING_FI
 WRITTEN_COLLECTIVES = primitives(Role.WRITTEN)
 # What a finding may name for a running total over tokens (XLA:CPU lowers a cumsum to a
 # reduce-window and JAX 0.10 labels it `reduce_window_sum`), and the ops the rewrite runs per
-# shard where a finding names them (`_wayout.rewrite_reaches`).
+# shard where a finding names them (`analyzer/_wayout.py`'s `rewrite_reaches`).
 CUMULATIVE = primitives(Role.CUMULATIVE) | opcodes(Role.CUMULATIVE)
 PER_SHARD_OPS = ROUTING_PRIMITIVES | CUMULATIVE
