@@ -201,9 +201,13 @@ def topology_devices(name: str) -> list:
     try:
         devices = list(topologies.get_topology_desc(topology_name=name, platform="tpu",
                                                     **kwargs).devices)
-    except Exception as e:  # libtpu rejects the name or the shape
+    except Exception as e:  # libtpu rejects the name or the shape, or is in use
+        said = str(e).splitlines()[0]
+        if "lockfile" in said:   # another process on this machine holds libtpu
+            raise TopologyError(f"--topology {name}: libtpu is in use by another process on this "
+                                f"machine ({said}); run one TPU compile at a time") from e
         raise TopologyError(f"--topology {name}: libtpu {libtpu_version()} cannot make this "
-                            f"topology: {str(e).splitlines()[0]}; try e.g. v5p:2x2x1, "
+                            f"topology: {said}; try e.g. v5p:2x2x1, "
                             f"v4:2x2x1, v5e:2x2, v6e:2x2") from e
     # v4 lists both TensorCores of each chip; JAX meshes take one device per chip.
     devices = [d for d in devices if getattr(d, "core_on_chip", 0) == 0]

@@ -236,3 +236,17 @@ def test_the_tpu_peak_accounts_for_the_temp(name):
     assert padding <= 0.05 * memory.temp_bytes
     assert memory.temp_accounted() >= 0.85 * memory.temp_bytes
     assert any(b.source is not None and b.source.file.endswith("steps.py") for b in temps)
+
+
+def test_a_second_process_while_this_one_holds_libtpu_is_told_so():
+    """libtpu takes a lockfile per machine: a second process asking for a topology meanwhile
+    is told that, not that the topology cannot be made."""
+    import subprocess
+    import sys
+
+    topology_devices("v5e:2x2")   # this process holds libtpu now
+    ask = ("from shardlint.analyzer._topology import topology_devices, TopologyError\n"
+           "try:\n    topology_devices('v5e:2x2')\nexcept TopologyError as e:\n    print(e)\n")
+    said = subprocess.run([sys.executable, "-c", ask], capture_output=True, text=True, timeout=300).stdout
+    assert "libtpu is in use by another process on this machine" in said, said
+    assert "run one TPU compile at a time" in said and "try e.g." not in said
