@@ -66,7 +66,7 @@ PATHS = (("today", ("xla", None, None)), ("issue 34", ("auto", 256, 256)),
          ("now", ("auto", None, None)))
 DENSE_ROW = "dense MLP (MlpBlock, same FLOPs)"
 # RoutedMoE's step at these (row tile, row block) with --row-tiles
-TILINGS = ((128, 128), (128, 256), (128, 512), (128, 1024), (256, 256), (256, 512))
+TILINGS = ((256, 256), (256, 512), (128, 512), (256, 1024), (128, 1024))
 
 
 def peak_flops(kind: str) -> float | None:
@@ -83,10 +83,14 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--sweep", action="store_true", help="single kernels at each row tile")
     p.add_argument("--row-tiles", action="store_true",
                    help="RoutedMoE's step again at each row tile of _gmm_plan.ROW_TILES")
+    p.add_argument("--tilings", default=None,
+                   help="with --row-tiles: TMxBM,... instead of TILINGS (e.g. 256x512,128x512)")
     p.add_argument("--allow-cpu", action="store_true")
     p.add_argument("--part", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     args.repeats = max(args.repeats, 10)
+    args.tilings = (tuple(tuple(int(n) for n in t.split("x")) for t in args.tilings.split(","))
+                    if args.tilings else TILINGS)
     return args
 
 
@@ -477,7 +481,7 @@ def main(argv=None) -> int:
         return 0
     if args.part and args.part.startswith("tilings:"):
         print(STEP_HEADER)
-        for tiling in TILINGS:
+        for tiling in args.tilings:
             print_step(bench.step_row(args.part.split(":")[1], "now", tiling))
         return 0
     print(f"{bench.dev.device_kind} ({backend}), JAX {jax.__version__}; bf16, T={args.batch * args.seq} "
@@ -495,7 +499,7 @@ def main(argv=None) -> int:
             steps[(row, path)] = r
             print_step(r)
     if args.row_tiles and not bench.interpret:
-        for tiling in TILINGS:
+        for tiling in args.tilings:
             print_step(bench.step_row("RoutedMoE", "now", tiling))
     return goals(kern, steps, bench.peak)
 

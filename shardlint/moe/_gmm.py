@@ -90,16 +90,29 @@ def _visits(tile_group_I: jax.Array, num_tiles: jax.Array, p: Plan):
 
 
 def _each_visit(p: Plan, meta_ref, v, V: int, body) -> None:
-    """body(rows) for visit v, `rows` a pl.ds of its rows within the block: of static
-    size, one branch per tile count (a visit of the whole block starts at 0)."""
+    """body(rows, lead) for visit v: `rows` a pl.ds of its rows within the block, of
+    static size; `lead`: whether they are the visit's first (a kernel that accumulates
+    over a visit starts there). A visit of the whole block is one call; a shorter one
+    is one call for its tile count with blocks of two tiles, else a loop of one call per
+    tile: Mosaic unrolls each call's products, and a copy of the body per tile count
+    (four at 128-row tiles in 512-row blocks) made the kernels with two products 44%
+    slower on a v5e."""
     if p.nsub == 1:
-        body(pl.ds(0, p.tm))
+        body(pl.ds(0, p.tm), True)
         return
     first, count = meta_ref[2 * V + v], meta_ref[3 * V + v]
-    for n in range(1, p.nsub + 1):
-        rows = pl.ds(0, p.bm) if n == p.nsub else pl.ds(pl.multiple_of(first * p.tm, p.tm),
-                                                         n * p.tm)
-        pl.when(count == n)(functools.partial(body, rows))
+    pl.when(count == p.nsub)(functools.partial(body, pl.ds(0, p.bm), True))
+    if p.nsub == 2:
+        pl.when(count == 1)(functools.partial(
+            body, pl.ds(pl.multiple_of(first * p.tm, p.tm), p.tm), True))
+        return
+
+    @pl.when(count < p.nsub)
+    def _():
+        def tile(i, carry):
+            body(pl.ds(pl.multiple_of((first + i) * p.tm, p.tm), p.tm), i == 0)
+            return carry
+        jax.lax.fori_loop(0, count, tile, 0)
 
 
 def _row_specs(t: Tiles, count: int, k_dim: bool) -> list:
@@ -170,7 +183,7 @@ def _gmm(x_PK: jax.Array, w_GAB: jax.Array, tile_group_I: jax.Array,
     def kernel(meta_ref, x_ref, w_ref, o_ref, *acc, V):
         k = pl.program_id(2)
 
-        def body(rows):
+        def body(rows, lead):
             prod = jax.lax.dot_general(x_ref[rows, :], w_ref[...], dims,
                                        preferred_element_type=jnp.float32)
             if k_steps == 1:
@@ -208,7 +221,7 @@ def _up(x_PD, wi_0_GDF, wi_1_GDF, tile_group_I, num_tiles, p: Plan):
     t = p.tiles(D, F, x_PD.dtype.itemsize, rhs=2, outs=3, split_k=False)
 
     def kernel(meta_ref, x_ref, w0_ref, w1_ref, h0_ref, h1_ref, h_ref, V):
-        def body(rows):
+        def body(rows, lead):
             x = x_ref[rows, :]
             h0 = jax.lax.dot_general(x, w0_ref[...], _NN, preferred_element_type=jnp.float32)
             h1 = jax.lax.dot_general(x, w1_ref[...], _NN, preferred_element_type=jnp.float32)
@@ -239,7 +252,7 @@ def _down_grad(dy_PD, wo_GFD, h0_PF, h1_PF, tile_group_I, num_tiles, p: Plan,
     def kernel(meta_ref, dy_ref, w_ref, h0_ref, h1_ref, *refs, V):
         *scale_ref, dh0_ref, dh1_ref = refs
 
-        def body(rows):
+        def body(rows, lead):
             dh = jax.lax.dot_general(dy_ref[rows, :], w_ref[...], _NT,
                                      preferred_element_type=jnp.float32)
             if scaled:
@@ -271,7 +284,7 @@ def _up_grad(dh0_PF, dh1_PF, wi_0_GDF, wi_1_GDF, tile_group_I, num_tiles, p: Pla
     t = p.tiles(F, D, dh0_PF.dtype.itemsize, lhs=2, rhs=2, split_k=False)
 
     def kernel(meta_ref, a_ref, b_ref, w0_ref, w1_ref, dx_ref, V):
-        def body(rows):
+        def body(rows, lead):
             dx = jax.lax.dot_general(a_ref[rows, :], w0_ref[...], _NT,
                                      preferred_element_type=jnp.float32)
             dx += jax.lax.dot_general(b_ref[rows, :], w1_ref[...], _NT,
@@ -304,18 +317,19 @@ def _tgmm(x_PK: jax.Array, dy_PN: jax.Array, tile_group_I: jax.Array,
         first = jnp.logical_or(v == 0, meta_ref[V + jnp.maximum(v - 1, 0)] != g)
         final = jnp.logical_or(v == last, meta_ref[V + jnp.minimum(v + 1, last)] != g)
 
-        def body(rows):
+        def body(rows, lead):
             x = x_ref[rows, :]
             if scaled:
                 x = (x.astype(jnp.float32) * scale_ref[0][rows, :]).astype(x.dtype)
             prod = jax.lax.dot_general(x, dy_ref[rows, :], (((0,), (0,)), ((), ())),
                                        preferred_element_type=jnp.float32)
+            start = jnp.logical_and(first, lead)
 
-            @pl.when(first)
+            @pl.when(start)
             def _():
                 acc_ref[...] = prod
 
-            @pl.when(jnp.logical_not(first))
+            @pl.when(jnp.logical_not(start))
             def _():
                 acc_ref[...] += prod
         _each_visit(p, meta_ref, v, V, body)
