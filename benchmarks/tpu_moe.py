@@ -15,12 +15,16 @@ Pallas one.
 
 Training steps (value_and_grad of a scalar loss w.r.t. params and x, one chip):
 RoutedMoE, ShardedRoutedMoE (a one-chip mesh) and the Qwen3-Next block (sharded), each
-with today's grouped matmul (`grouped_kernel("xla")`: argsort, ragged_dot, scatter) and
-the one the layer picks now; then E=8 (top-2) and E=128 (top-8). Beside each step: XLA's
+with today's grouped matmul (`grouped_kernel("xla")`: argsort, ragged_dot, scatter), the
+one the layer picks now, and the Pallas kernels as issue 34 left them (256-row tiles, a
+grid step each); then E=8 (top-2) and E=128 (top-8); then a dense SwiGLU MLP of hidden
+K * F, the routed layer's expert FLOPs (MaxText's MlpBlock, the workaround a user compared
+against: both MFUs on one line). Beside each step: XLA's
 temp and peak from `memory_analysis()` and the chip's `memory_stats()` peak. JAX cannot
 reset that peak in a process, so with --isolate every step row runs in a process of its
 own (the chip's peak is then that row's); without it the column is the process's peak so
-far. The goals of issue 34 end the run as PASS / FAIL lines (exit status 1 on a FAIL).
+far (issue 34's kernels run after now's in now's process). The goals of issues 34 and 43
+end the run as PASS / FAIL lines (exit status 1 on a FAIL).
 
     python benchmarks/tpu_moe.py [--isolate] [--sweep] [--seq 8192 --experts 64 ...]
 
