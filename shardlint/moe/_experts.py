@@ -122,7 +122,7 @@ def _tiled_layout(x_ND, group_M, num_groups, repeat, plan: _gmm_plan.Plan):
     m // repeat)."""
     M = group_M.shape[0]
     with jax.named_scope("moe/sort"):
-        layout = _permute.padded_layout(group_M, num_groups, plan.tm)
+        layout = _permute.padded_layout(group_M, num_groups, plan.tm, plan.bm)
         x_PD = _permute.permute_rows(x_ND, layout.src_P // repeat,
                                      layout.pos_M.reshape(M // repeat, repeat))
     return layout, x_PD

@@ -6,22 +6,27 @@ size, and megablox's `gmm` gains little at its best tiles (measured on a v5e, se
 and masked. Here the rows come in a layout where every group starts on a tile boundary
 (`_permute.padded_layout`: each group padded to whole tiles of `tm` rows, padding rows
 zero), so every row tile belongs to one group, no tile is computed twice and no product
-is masked. Five kernels make the product and its gradients:
+is masked. The grid runs over "visits" (`_visits`): the tiles of one block of `bm` rows
+that belong to one group, so a group's rows go through the matrix unit in runs of up to
+`bm` rows while a group pads to tiles of `tm` (on a v5e, 128-row tiles in 512-row blocks
+made RoutedMoE's training step 26.69 -> 25.46 ms against 256-row tiles one per step; see
+`_gmm_plan.plan`). Five kernels make the product and its gradients:
 
   _up         h0 = x @ wi_0[g], h1 = x @ wi_1[g], h = silu(h0) * h1, one pass over x
   _gmm        y = h @ wo[g], tile by tile
   _down_grad  dh = dy @ wo[g]^T, then dh0, dh1 through silu, one pass
   _up_grad    dx = dh0 @ wi_0[g]^T + dh1 @ wi_1[g]^T, one pass
   _tgmm       dw[g] = x[tiles of g]^T @ dy[tiles of g], accumulated over the consecutive
-              tiles of a group (every group owns at least one tile: every block written)
+              visits of a group (every group owns at least one tile: every block written)
 
 Fusing the SwiGLU's elementwise work and the two input gradients into the products pays on
 the v5e: nine unfused products at tm=256 took 24.3 ms one by one, the fused forward and
 backward 17.4 ms (142 TF/s); the [rows, F] intermediates are written and read once fewer,
 and the two [rows, D] input gradients are never written apart.
 
-Only the tiles in use run (the grid's row dimension is the traced tile count). Rows of the
-result past the last used tile are left unwritten; callers never read them.
+Only the tiles in use run (the grid's row dimension is the traced visit count). Rows of
+the result past the last used tile hold whatever the kernels left there; callers never
+read them.
 
 `tiled_swiglu_combine` is the SwiGLU followed by each token's weighted sum of its K rows,
 one VJP: its backward pass hands `_down_grad` and the output's `_tgmm` the rows of g with
@@ -67,52 +72,106 @@ def _silu_parts(h0: jax.Array) -> tuple[jax.Array, jax.Array]:
     return h0 * sig, sig * (1.0 + h0 * (1.0 - sig))
 
 
+def _visits(tile_group_I: jax.Array, num_tiles: jax.Array, p: Plan):
+    """The grid's visits: each a run of consecutive tiles in use that share a group and a
+    block of `p.nsub` tiles, in order. Returns one int32 array of 4 x V (V tiles: at most
+    V visits), each visit's block, group, first tile within its block and tile count, and
+    the number of visits (0-d)."""
+    V = tile_group_I.shape[0]
+    if V % p.nsub:
+        raise ValueError(f"{V} tiles do not make whole blocks of {p.nsub}")
+    t_I = jnp.arange(V, dtype=jnp.int32)
+    used_I = t_I < num_tiles
+    before_I = jnp.concatenate([jnp.full((1,), -1, jnp.int32), tile_group_I[:-1]])
+    start_I = used_I & ((t_I % p.nsub == 0) | (tile_group_I != before_I))
+    c_I = jnp.cumsum(start_I.astype(jnp.int32))      # 1 + the visit of each tile in use
+    first_V = jnp.minimum(jnp.sum(c_I[None, :] <= t_I[:, None], axis=1, dtype=jnp.int32),
+                          V - 1)
+    count_V = jnp.sum((c_I[None, :] == t_I[:, None] + 1) & used_I[None, :], axis=1,
+                      dtype=jnp.int32)
+    meta = jnp.concatenate([first_V // p.nsub, tile_group_I[first_V], first_V % p.nsub,
+                            count_V])
+    return meta, c_I[-1]
+
+
+def _each_visit(p: Plan, meta_ref, v, V: int, body) -> None:
+    """body(rows, lead) for visit v: `rows` a pl.ds of its rows within the block, of
+    static size; `lead`: whether they are the visit's first (a kernel that accumulates
+    over a visit starts there). A visit of the whole block is one call; a shorter one
+    is one call for its tile count with blocks of two tiles, else a loop of one call per
+    tile: Mosaic unrolls each call's products, and a copy of the body per tile count
+    (four at 128-row tiles in 512-row blocks) made the kernels with two products 44%
+    slower on a v5e."""
+    if p.nsub == 1:
+        body(pl.ds(0, p.tm), True)
+        return
+    first, count = meta_ref[2 * V + v], meta_ref[3 * V + v]
+    pl.when(count == p.nsub)(functools.partial(body, pl.ds(0, p.bm), True))
+    if p.nsub == 2:
+        pl.when(count == 1)(functools.partial(
+            body, pl.ds(pl.multiple_of(first * p.tm, p.tm), p.tm), True))
+        return
+
+    @pl.when(count < p.nsub)
+    def _():
+        def tile(i, carry):
+            body(pl.ds(pl.multiple_of((first + i) * p.tm, p.tm), p.tm), i == 0)
+            return carry
+        jax.lax.fori_loop(0, count, tile, 0)
+
+
 def _row_specs(t: Tiles, count: int, k_dim: bool) -> list:
-    """Blocks of `count` [P, *] row arrays at row tile i: along K (k_dim) or along N."""
+    """Blocks of `count` [P, *] row arrays at visit v's block: along K (k_dim) or along N."""
     if k_dim:
-        return [pl.BlockSpec((t.m, t.k), lambda n, i, k, tg: (i, k))] * count
-    return [pl.BlockSpec((t.m, t.n), lambda n, i, k, tg: (i, n))] * count
+        return [pl.BlockSpec((t.m, t.k), lambda n, v, k, meta: (meta[v], k))] * count
+    return [pl.BlockSpec((t.m, t.n), lambda n, v, k, meta: (meta[v], n))] * count
 
 
-def _weight_specs(t: Tiles, count: int, transpose: bool) -> list:
-    """Blocks of `count` [G, K, N] (or [G, N, K] with `transpose`) weight arrays at the
-    group of row tile i."""
+def _weight_specs(t: Tiles, V: int, count: int, transpose: bool) -> list:
+    """Blocks of `count` [G, K, N] (or [G, N, K] with `transpose`) weight arrays at visit
+    v's group."""
     if transpose:
-        return [pl.BlockSpec((None, t.n, t.k), lambda n, i, k, tg: (tg[i], n, k))] * count
-    return [pl.BlockSpec((None, t.k, t.n), lambda n, i, k, tg: (tg[i], k, n))] * count
+        return [pl.BlockSpec((None, t.n, t.k),
+                             lambda n, v, k, meta: (meta[V + v], n, k))] * count
+    return [pl.BlockSpec((None, t.k, t.n), lambda n, v, k, meta: (meta[V + v], k, n))] * count
 
 
 def _launch(p: Plan, call, tile_group_I, num_tiles, operands: list):
-    """call(tile_group_I, num_tiles, *operands), a pallas_call's; in interpret mode one
-    device's values at a time (`_compat.per_device`: JAX's interpreters fail inside
+    """call(meta, num_visits, *operands) (`_visits`), a pallas_call's; in interpret mode
+    one device's values at a time (`_compat.per_device`: JAX's interpreters fail inside
     `shard_map` on values that vary over its axes)."""
+    def run(tile_group_I, num_tiles, *operands):
+        return call(*_visits(tile_group_I, num_tiles, p), *operands)
     if p.interpret:
-        return _compat.per_device(call, tile_group_I, num_tiles, *operands)
-    return call(tile_group_I, num_tiles, *operands)
+        return _compat.per_device(run, tile_group_I, num_tiles, *operands)
+    return run(tile_group_I, num_tiles, *operands)
 
 
 def _call(kernel, name: str, t: Tiles, K: int, N: int, p: Plan, tile_group_I, num_tiles,
-          in_specs: list, out_shapes: list, products: int, operands: list):
-    """A pallas_call over (N blocks, row tiles in use, K blocks); scalar prefetch: each
-    tile's group. Its outputs (`out_shapes`) are declared to vary as the operands do."""
+          in_specs, out_shapes: list, products: int, operands: list):
+    """A pallas_call over (N blocks, visits, K blocks); scalar prefetch: the visits
+    (`_visits`). `in_specs(V)`: the operands' blocks for V tiles. Its outputs
+    (`out_shapes`) are declared to vary as the operands do."""
     P = out_shapes[0].shape[0]
+    V = tile_group_I.shape[0]
     k_steps = K // t.k
 
-    def call(tile_group_I, num_tiles, *operands):
+    def call(meta, num_visits, *operands):
         return pl.pallas_call(
-            kernel,
+            functools.partial(kernel, V=V),
             out_shape=[_compat.out_struct(s.shape, s.dtype, *operands) for s in out_shapes],
             grid_spec=pltpu.PrefetchScalarGridSpec(
                 num_scalar_prefetch=1,
-                grid=(N // t.n, num_tiles, k_steps),
-                in_specs=in_specs,
-                out_specs=[pl.BlockSpec((t.m, t.n), lambda n, i, k, tg: (i, n))] * len(out_shapes),
+                grid=(N // t.n, num_visits, k_steps),
+                in_specs=in_specs(V),
+                out_specs=[pl.BlockSpec((t.m, t.n), lambda n, v, k, meta: (meta[v], n))]
+                          * len(out_shapes),
                 scratch_shapes=[pltpu.VMEM((t.m, t.n), jnp.float32)] if k_steps > 1 else []),
             compiler_params=_params(p, ("parallel", "arbitrary", "arbitrary")),
             interpret=p.interpret,
             cost_estimate=_cost(P, K, N, out_shapes[0].dtype.itemsize, products),
             name=name,
-        )(tile_group_I, *operands)
+        )(meta, *operands)
     return _launch(p, call, tile_group_I, num_tiles, operands)
 
 
@@ -126,29 +185,32 @@ def _gmm(x_PK: jax.Array, w_GAB: jax.Array, tile_group_I: jax.Array,
     k_steps = K // t.k
     dims = _NT if transpose_rhs else _NN
 
-    def kernel(tg_ref, x_ref, w_ref, o_ref, *acc):
-        prod = jax.lax.dot_general(x_ref[...], w_ref[...], dims,
-                                   preferred_element_type=jnp.float32)
-        if k_steps == 1:
-            o_ref[...] = prod.astype(o_ref.dtype)
-            return
+    def kernel(meta_ref, x_ref, w_ref, o_ref, *acc, V):
         k = pl.program_id(2)
 
-        @pl.when(k == 0)
-        def _():
-            acc[0][...] = prod
+        def body(rows, lead):
+            prod = jax.lax.dot_general(x_ref[rows, :], w_ref[...], dims,
+                                       preferred_element_type=jnp.float32)
+            if k_steps == 1:
+                o_ref[rows, :] = prod.astype(o_ref.dtype)
+                return
 
-        @pl.when(k > 0)
-        def _():
-            acc[0][...] += prod
+            @pl.when(k == 0)
+            def _():
+                acc[0][rows, :] = prod
 
-        @pl.when(k == k_steps - 1)
-        def _():
-            o_ref[...] = acc[0][...].astype(o_ref.dtype)
+            @pl.when(k > 0)
+            def _():
+                acc[0][rows, :] += prod
+
+            @pl.when(k == k_steps - 1)
+            def _():
+                o_ref[rows, :] = acc[0][rows, :].astype(o_ref.dtype)
+        _each_visit(p, meta_ref, pl.program_id(1), V, body)
 
     return _call(kernel, "shardlint_gmm_t" if transpose_rhs else "shardlint_gmm", t, K, N,
                  p, tile_group_I, num_tiles,
-                 _row_specs(t, 1, True) + _weight_specs(t, 1, transpose_rhs),
+                 lambda V: _row_specs(t, 1, True) + _weight_specs(t, V, 1, transpose_rhs),
                  [jax.ShapeDtypeStruct((P, N), x_PK.dtype)], 1, [x_PK, w_GAB])[0]
 
 
@@ -163,21 +225,23 @@ def _up(x_PD, wi_0_GDF, wi_1_GDF, tile_group_I, num_tiles, p: Plan):
     F = wi_0_GDF.shape[2]
     t = p.tiles(D, F, x_PD.dtype.itemsize, rhs=2, outs=3, split_k=False)
 
-    def kernel(tg_ref, x_ref, w0_ref, w1_ref, h0_ref, h1_ref, h_ref):
-        x = x_ref[...]
-        h0 = jax.lax.dot_general(x, w0_ref[...], _NN, preferred_element_type=jnp.float32)
-        h1 = jax.lax.dot_general(x, w1_ref[...], _NN, preferred_element_type=jnp.float32)
-        h0 = h0.astype(h0_ref.dtype)
-        h1 = h1.astype(h1_ref.dtype)
-        h0_ref[...], h1_ref[...] = h0, h1
-        silu, _ = _silu_parts(h0.astype(jnp.float32))
-        h_ref[...] = (silu.astype(h_ref.dtype).astype(jnp.float32)
-                      * h1.astype(jnp.float32)).astype(h_ref.dtype)
+    def kernel(meta_ref, x_ref, w0_ref, w1_ref, h0_ref, h1_ref, h_ref, V):
+        def body(rows, lead):
+            x = x_ref[rows, :]
+            h0 = jax.lax.dot_general(x, w0_ref[...], _NN, preferred_element_type=jnp.float32)
+            h1 = jax.lax.dot_general(x, w1_ref[...], _NN, preferred_element_type=jnp.float32)
+            h0 = h0.astype(h0_ref.dtype)
+            h1 = h1.astype(h1_ref.dtype)
+            h0_ref[rows, :], h1_ref[rows, :] = h0, h1
+            silu, _ = _silu_parts(h0.astype(jnp.float32))
+            h_ref[rows, :] = (silu.astype(h_ref.dtype).astype(jnp.float32)
+                              * h1.astype(jnp.float32)).astype(h_ref.dtype)
+        _each_visit(p, meta_ref, pl.program_id(1), V, body)
 
     out = jax.ShapeDtypeStruct((P, F), x_PD.dtype)
     return _call(kernel, "shardlint_gmm_up", t, D, F, p, tile_group_I, num_tiles,
-                 _row_specs(t, 1, True) + _weight_specs(t, 2, False), [out] * 3, 2,
-                 [x_PD, wi_0_GDF, wi_1_GDF])
+                 lambda V: _row_specs(t, 1, True) + _weight_specs(t, V, 2, False), [out] * 3,
+                 2, [x_PD, wi_0_GDF, wi_1_GDF])
 
 
 def _down_grad(dy_PD, wo_GFD, h0_PF, h1_PF, tile_group_I, num_tiles, p: Plan,
@@ -190,29 +254,32 @@ def _down_grad(dy_PD, wo_GFD, h0_PF, h1_PF, tile_group_I, num_tiles, p: Plan,
     t = p.tiles(D, F, dy_PD.dtype.itemsize, outs=4, split_k=False)
     scaled = scale_P1 is not None
 
-    def kernel(tg_ref, dy_ref, w_ref, h0_ref, h1_ref, *refs):
+    def kernel(meta_ref, dy_ref, w_ref, h0_ref, h1_ref, *refs, V):
         *scale_ref, dh0_ref, dh1_ref = refs
-        dh = jax.lax.dot_general(dy_ref[...], w_ref[...], _NT,
-                                 preferred_element_type=jnp.float32)
-        if scaled:
-            dh = dh * scale_ref[0][...]
-        dh = dh.astype(dh0_ref.dtype).astype(jnp.float32)
-        silu, dsilu = _silu_parts(h0_ref[...].astype(jnp.float32))
-        silu = silu.astype(dh1_ref.dtype).astype(jnp.float32)
-        dh1_ref[...] = (dh * silu).astype(dh1_ref.dtype)
-        dsilu_in = (dh * h1_ref[...].astype(jnp.float32)).astype(dh0_ref.dtype)
-        dh0_ref[...] = (dsilu_in.astype(jnp.float32) * dsilu).astype(dh0_ref.dtype)
+
+        def body(rows, lead):
+            dh = jax.lax.dot_general(dy_ref[rows, :], w_ref[...], _NT,
+                                     preferred_element_type=jnp.float32)
+            if scaled:
+                dh = dh * scale_ref[0][rows, :]
+            dh = dh.astype(dh0_ref.dtype).astype(jnp.float32)
+            silu, dsilu = _silu_parts(h0_ref[rows, :].astype(jnp.float32))
+            silu = silu.astype(dh1_ref.dtype).astype(jnp.float32)
+            dh1_ref[rows, :] = (dh * silu).astype(dh1_ref.dtype)
+            dsilu_in = (dh * h1_ref[rows, :].astype(jnp.float32)).astype(dh0_ref.dtype)
+            dh0_ref[rows, :] = (dsilu_in.astype(jnp.float32) * dsilu).astype(dh0_ref.dtype)
+        _each_visit(p, meta_ref, pl.program_id(1), V, body)
 
     out = jax.ShapeDtypeStruct((P, F), dy_PD.dtype)
     return _call(kernel, "shardlint_gmm_down_grad", t, D, F, p, tile_group_I, num_tiles,
-                 _row_specs(t, 1, True) + _weight_specs(t, 1, True) + _row_specs(t, 2, False)
-                 + _scale_specs(t, scaled), [out] * 2, 1,
+                 lambda V: _row_specs(t, 1, True) + _weight_specs(t, V, 1, True)
+                 + _row_specs(t, 2, False) + _scale_specs(t, scaled), [out] * 2, 1,
                  [dy_PD, wo_GFD, h0_PF, h1_PF] + ([scale_P1] if scaled else []))
 
 
 def _scale_specs(t: Tiles, scaled: bool) -> list:
-    """The block of a [P, 1] float32 row scale at row tile i (none when unscaled)."""
-    return [pl.BlockSpec((t.m, 1), lambda n, i, k, tg: (i, 0))] if scaled else []
+    """The block of a [P, 1] float32 row scale at visit v's block (none when unscaled)."""
+    return [pl.BlockSpec((t.m, 1), lambda n, v, k, meta: (meta[v], 0))] if scaled else []
 
 
 def _up_grad(dh0_PF, dh1_PF, wi_0_GDF, wi_1_GDF, tile_group_I, num_tiles, p: Plan):
@@ -221,16 +288,18 @@ def _up_grad(dh0_PF, dh1_PF, wi_0_GDF, wi_1_GDF, tile_group_I, num_tiles, p: Pla
     D = wi_0_GDF.shape[1]
     t = p.tiles(F, D, dh0_PF.dtype.itemsize, lhs=2, rhs=2, split_k=False)
 
-    def kernel(tg_ref, a_ref, b_ref, w0_ref, w1_ref, dx_ref):
-        dx = jax.lax.dot_general(a_ref[...], w0_ref[...], _NT,
-                                 preferred_element_type=jnp.float32)
-        dx += jax.lax.dot_general(b_ref[...], w1_ref[...], _NT,
-                                  preferred_element_type=jnp.float32)
-        dx_ref[...] = dx.astype(dx_ref.dtype)
+    def kernel(meta_ref, a_ref, b_ref, w0_ref, w1_ref, dx_ref, V):
+        def body(rows, lead):
+            dx = jax.lax.dot_general(a_ref[rows, :], w0_ref[...], _NT,
+                                     preferred_element_type=jnp.float32)
+            dx += jax.lax.dot_general(b_ref[rows, :], w1_ref[...], _NT,
+                                      preferred_element_type=jnp.float32)
+            dx_ref[rows, :] = dx.astype(dx_ref.dtype)
+        _each_visit(p, meta_ref, pl.program_id(1), V, body)
 
     out = jax.ShapeDtypeStruct((P, D), dh0_PF.dtype)
     return _call(kernel, "shardlint_gmm_up_grad", t, F, D, p, tile_group_I, num_tiles,
-                 _row_specs(t, 2, True) + _weight_specs(t, 2, True), [out], 2,
+                 lambda V: _row_specs(t, 2, True) + _weight_specs(t, V, 2, True), [out], 2,
                  [dh0_PF, dh1_PF, wi_0_GDF, wi_1_GDF])[0]
 
 
@@ -239,53 +308,60 @@ def _tgmm(x_PK: jax.Array, dy_PN: jax.Array, tile_group_I: jax.Array,
           scale_P1: jax.Array | None = None, n: int | None = None) -> jax.Array:
     """dw_GKN[g] = sum over the tiles of group g of x_tile^T @ dy_tile (x's rows times
     `scale_P1`, rounded to x's dtype, when given), over dy's first `n` columns (all when
-    None)."""
+    None): accumulated over the consecutive visits of a group."""
     P, K = x_PK.shape
     N = dy_PN.shape[1] if n is None else n
     t = p.tgmm_tiles(K, N, x_PK.dtype.itemsize)
+    V = tile_group_I.shape[0]
     scaled = scale_P1 is not None
 
-    def kernel(tg_ref, x_ref, dy_ref, *refs):
+    def kernel(meta_ref, x_ref, dy_ref, *refs):
         *scale_ref, o_ref, acc_ref = refs
-        i, last = pl.program_id(2), pl.num_programs(2) - 1
-        g = tg_ref[i]
-        first = jnp.logical_or(i == 0, tg_ref[jnp.maximum(i - 1, 0)] != g)
-        final = jnp.logical_or(i == last, tg_ref[jnp.minimum(i + 1, last)] != g)
-        x = x_ref[...]
-        if scaled:
-            x = (x.astype(jnp.float32) * scale_ref[0][...]).astype(x.dtype)
-        prod = jax.lax.dot_general(x, dy_ref[...], (((0,), (0,)), ((), ())),
-                                   preferred_element_type=jnp.float32)
+        v, last = pl.program_id(2), pl.num_programs(2) - 1
+        g = meta_ref[V + v]
+        first = jnp.logical_or(v == 0, meta_ref[V + jnp.maximum(v - 1, 0)] != g)
+        final = jnp.logical_or(v == last, meta_ref[V + jnp.minimum(v + 1, last)] != g)
 
-        @pl.when(first)
-        def _():
-            acc_ref[...] = prod
+        def body(rows, lead):
+            x = x_ref[rows, :]
+            if scaled:
+                x = (x.astype(jnp.float32) * scale_ref[0][rows, :]).astype(x.dtype)
+            prod = jax.lax.dot_general(x, dy_ref[rows, :], (((0,), (0,)), ((), ())),
+                                       preferred_element_type=jnp.float32)
+            start = jnp.logical_and(first, lead)
 
-        @pl.when(jnp.logical_not(first))
-        def _():
-            acc_ref[...] += prod
+            @pl.when(start)
+            def _():
+                acc_ref[...] = prod
+
+            @pl.when(jnp.logical_not(start))
+            def _():
+                acc_ref[...] += prod
+        _each_visit(p, meta_ref, v, V, body)
 
         @pl.when(final)
         def _():
             o_ref[...] = acc_ref[...].astype(o_ref.dtype)
 
-    def call(tile_group_I, num_tiles, x_PK, *operands):
+    def call(meta, num_visits, x_PK, *operands):
         return pl.pallas_call(
             kernel,
             out_shape=_compat.out_struct((num_groups, K, N), out_dtype, x_PK, *operands),
             grid_spec=pltpu.PrefetchScalarGridSpec(
                 num_scalar_prefetch=1,
-                grid=(K // t.k, N // t.n, num_tiles),
-                in_specs=[pl.BlockSpec((t.m, t.k), lambda kb, nb, i, tg: (i, kb)),
-                          pl.BlockSpec((t.m, t.n), lambda kb, nb, i, tg: (i, nb))]
-                         + ([pl.BlockSpec((t.m, 1), lambda kb, nb, i, tg: (i, 0))] if scaled else []),
-                out_specs=pl.BlockSpec((None, t.k, t.n), lambda kb, nb, i, tg: (tg[i], kb, nb)),
+                grid=(K // t.k, N // t.n, num_visits),
+                in_specs=[pl.BlockSpec((t.m, t.k), lambda kb, nb, v, meta: (meta[v], kb)),
+                          pl.BlockSpec((t.m, t.n), lambda kb, nb, v, meta: (meta[v], nb))]
+                         + ([pl.BlockSpec((t.m, 1), lambda kb, nb, v, meta: (meta[v], 0))]
+                            if scaled else []),
+                out_specs=pl.BlockSpec((None, t.k, t.n),
+                                       lambda kb, nb, v, meta: (meta[V + v], kb, nb)),
                 scratch_shapes=[pltpu.VMEM((t.k, t.n), jnp.float32)]),
             compiler_params=_params(p, ("parallel", "parallel", "arbitrary")),
             interpret=p.interpret,
             cost_estimate=_cost(K, P, N, x_PK.dtype.itemsize),
             name="shardlint_tgmm",
-        )(tile_group_I, x_PK, *operands)
+        )(meta, x_PK, *operands)
     return _launch(p, call, tile_group_I, num_tiles,
                    [x_PK, dy_PN, *([scale_P1] if scaled else [])])
 

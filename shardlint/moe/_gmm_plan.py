@@ -9,8 +9,13 @@ what the CPU tests use, on several simulated devices too: `_compat.per_device`).
 is read when a function is traced: a jitted function keeps the kernel it was traced with
 (`ShardedRoutedMoE` keys its own jitted `shard_map` by `scope()`).
 
-The row tile comes from a cost model fitted on a v5e (`row_tile`); the blocks along K and
-N are the largest whose double-buffered operands fit the VMEM limit (`Plan.tiles`).
+Rows are laid out in tiles of `tm` rows (each group padded to whole tiles, `_permute`) and
+the kernels take them in blocks of `bm = tm * nsub` rows: a grid step ("visit") runs the
+sub-tiles of one block that belong to one group, so a group's rows go through the matrix
+unit in long runs (each weight block pushed into it once per visit) while a group wastes
+less than a tile of padding. On a TPU: tm = 128, bm = 512 (`TPU_TILE`, `TPU_BLOCK`; why in
+`plan`). The blocks along K and N are the largest whose double-buffered operands fit the
+VMEM limit (`Plan.tiles`).
 """
 
 from __future__ import annotations
@@ -26,45 +31,45 @@ import jax.numpy as jnp
 KERNELS = ("auto", "xla", "pallas", "interpret")
 _kernel: contextvars.ContextVar[str] = contextvars.ContextVar("shardlint_gmm_kernel",
                                                               default="auto")
-# tm forced for a scope (benchmarks and tests); None: chosen by `row_tile`
+# tm and bm forced for a scope (benchmarks and tests); None: the defaults
 _row_tile: contextvars.ContextVar[int | None] = contextvars.ContextVar("shardlint_gmm_tm",
                                                                        default=None)
+_block_rows: contextvars.ContextVar[int | None] = contextvars.ContextVar("shardlint_gmm_bm",
+                                                                         default=None)
 
 # VMEM a kernel may use (v5e/v5p/v6e have 128 MiB per core, v4 32; the default scoped
 # limit is 16-32 MiB, too small for a whole 2048 x 1024 weight block double-buffered).
 VMEM_LIMIT = 64 * 2 ** 20
 _VMEM_LIMIT_V4 = 28 * 2 ** 20
-# Row tiles tried, and the cost model `row_tile` picks from. Fitted to one v5e
-# (benchmarks/tpu_moe.py --sweep, 2026-12-05: 2048 x 1024 products of 65536 rows in 64
-# groups): the nine products of a SwiGLU's forward and backward took 25.7 / 24.3 / 23.2 ms
-# at tm = 128 / 256 / 512, i.e. each grid step costs about 58 rows' work besides its
-# rows. The XLA ops around the kernels run over the layout's static rows, about 0.4 of a
-# computed row each. RoutedMoE's training step then measured 33.81 / 32.90 / 33.29 ms at
-# tm = 128 / 256 / 512 (--row-tiles), and the model picks 256 for that shape.
-ROW_TILES = (128, 256, 512)
-STEP_OVERHEAD_ROWS = 58
-STATIC_ROW_COST = 0.4
+# The layout's row tile and the kernels' row block on a TPU (measured on a v5e: see
+# `plan`).
+TPU_TILE = 128
+TPU_BLOCK = 512
 
 
 @contextlib.contextmanager
-def grouped_kernel(name: str, *, row_tile: int | None = None) -> Iterator[None]:
+def grouped_kernel(name: str, *, row_tile: int | None = None,
+                   block_rows: int | None = None) -> Iterator[None]:
     """Inside, grouped matmuls use kernel `name` ("auto", "xla", "pallas", "interpret")
-    and, when given, row tiles of `row_tile` rows: in what is traced inside (a function
-    jitted and traced before keeps its kernel)."""
+    and, when given, row tiles of `row_tile` rows and row blocks of `block_rows` (a
+    multiple of the tile; default: one tile in interpret mode, `TPU_BLOCK` on a TPU): in
+    what is traced inside (a function jitted and traced before keeps its kernel)."""
     if name not in KERNELS:
         raise ValueError(f"grouped kernel {name!r} is not one of {KERNELS}")
-    token, tm_token = _kernel.set(name), _row_tile.set(row_tile)
+    token, tm_token, bm_token = (_kernel.set(name), _row_tile.set(row_tile),
+                                 _block_rows.set(block_rows))
     try:
         yield
     finally:
         _kernel.reset(token)
         _row_tile.reset(tm_token)
+        _block_rows.reset(bm_token)
 
 
-def scope() -> tuple[str, int | None]:
-    """The kernel and row tile `grouped_kernel` set for this scope (a cache key for code
-    that jits a function calling `plan`)."""
-    return _kernel.get(), _row_tile.get()
+def scope() -> tuple[str, int | None, int | None]:
+    """The kernel, row tile and row block `grouped_kernel` set for this scope (a cache key
+    for code that jits a function calling `plan`)."""
+    return _kernel.get(), _row_tile.get(), _block_rows.get()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,11 +82,17 @@ class Tiles:
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-    """How the grouped matmuls of one SwiGLU run: rows in tiles of `tm`, and interpret
-    mode (tests on CPU)."""
+    """How the grouped matmuls of one SwiGLU run: rows in tiles of `tm`, taken by the
+    kernels in blocks of `nsub` tiles, and interpret mode (tests on CPU)."""
     tm: int
     interpret: bool = False
     vmem_limit: int = VMEM_LIMIT
+    nsub: int = 1
+
+    @property
+    def bm(self) -> int:
+        """Rows of a kernel's row block."""
+        return self.tm * self.nsub
 
     def tiles(self, k: int, n: int, itemsize: int, *, lhs: int = 1, rhs: int = 1,
               outs: int = 1, split_k: bool = True) -> Tiles | None:
@@ -90,7 +101,7 @@ class Plan:
         row blocks of output or epilogue input) and float32 products fit the VMEM limit;
         None if none does."""
         tk, tn = k, n
-        while _vmem(self.tm, tk, tn, itemsize, lhs, rhs, outs) > self.vmem_limit * 0.75:
+        while _vmem(self.bm, tk, tn, itemsize, lhs, rhs, outs) > self.vmem_limit * 0.75:
             if split_k and tk >= tn and tk % 256 == 0:
                 tk //= 2
             elif tn % 256 == 0:
@@ -99,20 +110,20 @@ class Plan:
                 tk //= 2
             else:
                 return None
-        return Tiles(self.tm, tk, tn)
+        return Tiles(self.bm, tk, tn)
 
     def tgmm_tiles(self, k: int, n: int, itemsize: int) -> Tiles | None:
         """Blocks of the weight-gradient kernel: a [tk, tn] float32 accumulator."""
         tk, tn = k, n
-        while 2 * (self.tm * tk + self.tm * tn + tk * tn) * itemsize + 2 * tk * tn * 4 \
-                + self.tm * tk * itemsize > self.vmem_limit * 0.75:
+        while 2 * (self.bm * tk + self.bm * tn + tk * tn) * itemsize + 2 * tk * tn * 4 \
+                + self.bm * tk * itemsize > self.vmem_limit * 0.75:
             if tk >= tn and tk % 256 == 0:
                 tk //= 2
             elif tn % 256 == 0:
                 tn //= 2
             else:
                 return None
-        return Tiles(self.tm, tk, tn)
+        return Tiles(self.bm, tk, tn)
 
     def fits(self, dims: tuple[int, int], itemsize: int) -> bool:
         """Whether every kernel of a SwiGLU with D x F = `dims` has blocks that fit."""
@@ -134,31 +145,37 @@ def plan(rows: int, dims: tuple[int, int], num_groups: int, dtype, *,
          weights_whole: bool) -> Plan | None:
     """The Pallas plan for a grouped SwiGLU of `rows` rows, D x F = `dims`, or None for
     `ragged_dot`. `weights_whole`: the weights are whole on the device (the products'
-    custom VJP cannot be transposed by `_ring`'s schedules)."""
+    custom VJP cannot be transposed by `_ring`'s schedules).
+
+    On a TPU, rows in tiles of 128 and blocks of 512 (`TPU_TILE`, `TPU_BLOCK`), blocks
+    halved until the kernels' operands fit VMEM. ShardedRoutedMoE's training step on a
+    v5e (T=8192, E=64, top-8, D=2048, F=1024; `benchmarks/tpu_moe.py --part tilings:...`)
+    took 26.69 ms at (tile, block) = (256, 256) (issue 34's kernels), 26.35 at (128, 256),
+    25.54 at (256, 512), 25.46 at (128, 512) and 25.91 at (256, 1024); at E=128 30.91 /
+    28.77 / 28.82 ms at (256, 256) / (256, 512) / (128, 512), the last with 0.19 GiB less
+    temp memory (less padding)."""
     kernel = _kernel.get()
     if kernel == "xla" or not weights_whole:
         return None
     if kernel == "interpret":
-        return Plan(_row_tile.get() or 8, interpret=True)
+        tm = _row_tile.get() or 8
+        return Plan(tm, interpret=True, nsub=_nsub(tm, _block_rows.get() or tm))
     on_tpu = jax.default_backend() == "tpu"
     if kernel == "auto" and not (on_tpu and jnp.dtype(dtype) == jnp.bfloat16):
         return None
     if any(d % 128 for d in dims):
         return None
-    tm = _row_tile.get() or row_tile(rows, num_groups)
+    tm = _row_tile.get() or TPU_TILE
+    bm = _block_rows.get() or max(tm, TPU_BLOCK)
     limit = _VMEM_LIMIT_V4 if on_tpu and "v4" in jax.devices()[0].device_kind.lower() \
         else VMEM_LIMIT
-    p = Plan(tm, vmem_limit=limit)
+    p = Plan(tm, vmem_limit=limit, nsub=_nsub(tm, bm))
+    while not p.fits(dims, jnp.dtype(dtype).itemsize) and p.nsub > 1:
+        p = dataclasses.replace(p, nsub=p.nsub // 2)
     return p if p.fits(dims, jnp.dtype(dtype).itemsize) else None
 
 
-def row_tile(rows: int, num_groups: int) -> int:
-    """The row tile with the least expected time: the kernels compute each group padded
-    to whole tiles (half a tile wasted per group on average) and a grid step costs
-    `STEP_OVERHEAD_ROWS` rows of work; the XLA ops around them (gathers, the layout) run
-    over all `rows + num_groups * tm` rows the layout may need, at `STATIC_ROW_COST` of a
-    computed row's time each."""
-    def cost(tm: int) -> float:
-        computed = (rows + num_groups * tm / 2) * (1 + STEP_OVERHEAD_ROWS / tm)
-        return computed + STATIC_ROW_COST * (rows + num_groups * tm)
-    return min(ROW_TILES, key=cost)
+def _nsub(tm: int, bm: int) -> int:
+    if bm % tm:
+        raise ValueError(f"block_rows={bm} is not a multiple of row_tile={tm}")
+    return bm // tm

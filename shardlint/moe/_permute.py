@@ -48,12 +48,14 @@ class PaddedLayout:
     rows: int
 
 
-def padded_layout(group_M: jax.Array, num_groups: int, tm: int) -> PaddedLayout:
+def padded_layout(group_M: jax.Array, num_groups: int, tm: int,
+                  block: int | None = None) -> PaddedLayout:
     """The tile-aligned layout of rows grouped by `group_M` (values in [0, num_groups];
-    `num_groups` marks a padding row, which gets no slot). Stable: rows of a group keep
-    their order."""
+    `num_groups` marks a padding row, which gets no slot), its rows a whole number of
+    `block`s (a multiple of tm; default tm). Stable: rows of a group keep their order."""
     M, G = group_M.shape[0], num_groups
-    tiles_max = -(-M // tm) + G
+    per_block = (block or tm) // tm
+    tiles_max = -(-(-(-M // tm) + G) // per_block) * per_block
     rows = tiles_max * tm
     ids_G = jnp.arange(G, dtype=jnp.int32)
     onehot_MG = (group_M[:, None] == ids_G[None, :])

@@ -9,6 +9,8 @@ stay tiny: interpret mode runs each grid step as a loop iteration.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -191,7 +193,54 @@ def test_plan_keeps_ragged_dot_off_the_tpu_and_for_odd_shapes():
             pass
 
 
-def test_row_tile_trades_padding_against_steps():
-    """More groups per row pad more: the tile does not grow with the group count."""
-    few, many = _gmm_plan.row_tile(65536, 8), _gmm_plan.row_tile(65536, 512)
-    assert few in _gmm_plan.ROW_TILES and many in _gmm_plan.ROW_TILES and many <= few
+def test_plan_takes_tiles_of_128_rows_in_blocks_that_fit_vmem():
+    """On a TPU: tiles of 128 rows, blocks of 512; a block whose operands would not fit
+    the VMEM limit is halved until they do."""
+    bf16 = jnp.bfloat16
+    with _gmm_plan.grouped_kernel("pallas"):
+        p = _gmm_plan.plan(65536, (2048, 1024), 64, bf16, weights_whole=True)
+    assert (p.tm, p.bm) == (_gmm_plan.TPU_TILE, _gmm_plan.TPU_BLOCK) == (128, 512)
+    with _gmm_plan.grouped_kernel("pallas", block_rows=8192):
+        big = _gmm_plan.plan(65536, (2048, 1024), 64, bf16, weights_whole=True)
+    assert big.tm == 128 and 128 <= big.bm < 8192
+    assert big.fits((2048, 1024), 2) and not dataclasses.replace(
+        big, nsub=2 * big.nsub).fits((2048, 1024), 2)
+    with pytest.raises(ValueError, match="not a multiple"):
+        with _gmm_plan.grouped_kernel("pallas", row_tile=128, block_rows=200):
+            _gmm_plan.plan(65536, (2048, 1024), 64, bf16, weights_whole=True)
+
+
+@pytest.mark.parametrize("nsub", [1, 2, 4])
+def test_visits_take_each_tile_in_use_once_by_block_and_group(nsub):
+    """A visit is a run of tiles in use of one group within one block of nsub tiles; the
+    visits, in order, cover the tiles in use once each."""
+    M, G, tm = 96, 6, 4
+    group_M = _groups(0, M, G, padding=True)
+    p = _gmm_plan.Plan(tm, interpret=True, nsub=nsub)
+    lay = _permute.padded_layout(group_M, G, tm, p.bm)
+    assert lay.rows % p.bm == 0 and lay.rows >= (-(-M // tm) + G) * tm
+    meta, num_visits = _gmm._visits(lay.tile_group_I, lay.num_tiles, p)
+    V = lay.tile_group_I.shape[0]
+    block, group, first, count = np.asarray(meta).reshape(4, V)[:, :int(num_visits)]
+    tiles = [b * nsub + f + i for b, f, c in zip(block, first, count) for i in range(c)]
+    assert tiles == list(range(int(lay.num_tiles)))
+    tile_group = np.asarray(lay.tile_group_I)
+    for b, g, f, c in zip(block, group, first, count):
+        assert 1 <= c and f + c <= nsub
+        assert np.all(tile_group[b * nsub + f:b * nsub + f + c] == g)
+    assert np.all(np.diff(group) >= 0) and set(group) == set(range(G))
+
+
+@pytest.mark.parametrize("block_rows", [16, 32, 64])
+def test_grouped_swiglu_pallas_in_blocks_of_several_tiles_matches_ragged_dot(moe_testlib,
+                                                                             block_rows):
+    """Blocks of 2, 4 and 8 tiles: visits of every size (a loop over tiles for a short
+    visit of a block of more than 2)."""
+    x, w, group_M, G, R, ct = _swiglu_case()
+
+    def vjp(kernel):
+        with _gmm_plan.grouped_kernel(kernel, row_tile=8, block_rows=block_rows):
+            y, back = jax.vjp(lambda x, w: _experts.grouped_swiglu(x, group_M, G, *w, repeat=R),
+                              x, w)
+            return y, back(ct)
+    moe_testlib.assert_tree_close(vjp("interpret"), vjp("xla"))
