@@ -120,7 +120,10 @@ class _Emitter:
         manual = set(token_axes) | {a for a, n in self.mesh.shape.items() if n == 1}
         mapped = _jax.shard_map(body, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs,
                                 axis_names=manual, checked=False)
-        results = mapped(*[stacked[v] if v in stacked else env[v] for v in passed])
+        # What JAX makes for the call itself (its transpose's ops in the backward) points at
+        # the user's line where the region starts, not at this module.
+        with _jax.as_traced(eqns[grp.eqns[0]], its_mesh=False):
+            results = mapped(*[stacked[v] if v in stacked else env[v] for v in passed])
         n1, n2 = len(sharded_out), len(sharded_out) + len(summed_out)
         env.update(zip(sharded_out, results[:n1]))
         env.update(zip(summed_out, results[n1:n2]))

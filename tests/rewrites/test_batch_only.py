@@ -41,6 +41,9 @@ def test_routing_that_loses_its_axes_is_rewritten_per_shard(name):
     assert fixed.changed is True
     after = shardlint.analyze(fixed, *args)
     assert after.findings == () and after.all_gathers() == ()
+    # What the rewrite adds (its psums, the transpose of its shard_map) points at the user's lines.
+    sources = [c.source for c in after.collectives] + [b.source for b in after.memory.peak_buffers]
+    assert not [s for s in sources if s and "shardlint/rewrites" in s.file], sources
     if shrinks:
         assert after.memory.temp_bytes < before.memory.temp_bytes / 2
     assert verify_same(fn, fixed, args, rtol=1e-5, atol=1e-6)
@@ -56,9 +59,11 @@ def test_the_readme_model_with_only_the_batch_sharded_is_rewritten_from_the_cli(
     target = f"{tmp_path / 'model.py'}:make_step"
     plain = run_cli("analyze", target, "--mesh", "data=8")
     assert plain.returncode == 1 and "2 finding(s)" in plain.stdout and "over data" in plain.stdout, plain.stdout
-    fixed = run_cli("analyze", target, "--mesh", "data=8", "--rewrite")
+    fixed = run_cli("analyze", target, "--mesh", "data=8", "--rewrite", "--json", str(tmp_path / "after.json"))
     assert fixed.returncode == 0, fixed.stdout + fixed.stderr
     assert "finding(s)" not in fixed.stdout, fixed.stdout
+    # What the rewrite adds (its psums, its shard_map's transpose) points at the model's lines.
+    assert "shardlint/rewrites" not in (tmp_path / "after.json").read_text()
 
 
 def _regenerate():

@@ -241,9 +241,12 @@ def test_the_tpu_peak_accounts_for_the_temp(name):
 def test_a_second_process_while_this_one_holds_libtpu_is_told_so():
     """libtpu takes a lockfile per machine: a second process asking for a topology meanwhile
     is told that, not that the topology cannot be made."""
+    import os
     import subprocess
     import sys
 
+    if os.environ.get("ALLOW_MULTIPLE_LIBTPU_LOAD"):
+        pytest.skip("ALLOW_MULTIPLE_LIBTPU_LOAD is set: this process takes no lock on libtpu")
     topology_devices("v5e:2x2")   # this process holds libtpu now
     ask = ("from shardlint.analyzer._topology import topology_devices, TopologyError\n"
            "try:\n    topology_devices('v5e:2x2')\nexcept TopologyError as e:\n    print(e)\n")
