@@ -8,7 +8,7 @@ topology through libtpu (ahead of time, no TPU attached), at ici_context_paralle
 ici_tensor_parallelism filling the other chips (tensor parallelism does not shard the
 tokens, so each chip holds 1/N of them), and prints per chip, from the TPU compiler's
 memory analysis: arguments + outputs + temp, before and after `shardlint.rewrite`, with
-temp's ratio to the ideal (the N=1 temp / N), the all-gathers and MoE findings shardlint
+temp's ratio to the ideal (the first N's temp x its N / N), the all-gathers and MoE findings shardlint
 reports, and the wall time of the analysis (make the step, analyze) at each point; the
 rewrite and the second analysis are timed apart. Under each point, the largest all-gathers
 before and after (per chip and step, by source line, mesh axes and cause) say where the
@@ -34,7 +34,7 @@ import warnings
 
 CONFIG = dict(model_name="qwen3-next-80b-a3b", base_num_decoder_layers=4, num_experts=64, base_num_kv_heads=4,
               num_experts_per_tok=8, vocab_size=32768, max_target_length=8192,
-              per_device_batch_size=1, dtype="bfloat16", weight_dtype="bfloat16",
+              dtype="bfloat16", weight_dtype="bfloat16",
               sparse_matmul=False, capacity_factor=-1, scan_layers=True,
               ici_fsdp_parallelism=1, override_model_config=True,
               context_parallel_load_balance=False)   # GatedDeltaNet: device order is sequence order
@@ -69,8 +69,9 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for n in [int(v) for v in args.context.split(",")]:
         start = time.perf_counter()
-        fn, step_args = make_step(devices=devices, **config, ici_context_parallelism=n,
-                                  ici_tensor_parallelism=len(devices) // n)
+        # One sequence of args.seq tokens over all the chips (the batch is per chip).
+        fn, step_args = make_step(devices=devices, **dict(config, per_device_batch_size=1 / len(devices)),
+                                  ici_context_parallelism=n, ici_tensor_parallelism=len(devices) // n)
         built = time.perf_counter()
         before = shardlint.analyze(fn, *step_args)
         analyzed = time.perf_counter()
@@ -81,7 +82,8 @@ def main(argv: list[str] | None = None) -> int:
         rows.append((n, before, after, analyzed - start, time.perf_counter() - analyzed))
         print(f"    N={n}: step built in {built - start:.0f} s, analyzed in {analyzed - built:.0f} s; "
               f"rewritten and analyzed again in {rows[-1][4]:.0f} s", flush=True)
-        ideal = rows[0][1].memory.temp_bytes / n, rows[0][2].memory.temp_bytes / n
+        first = rows[0][0]   # the ideal: the first point's temp, its tokens spread over N
+        ideal = rows[0][1].memory.temp_bytes * first / n, rows[0][2].memory.temp_bytes * first / n
         cells = []
         for analysis, best in zip((before, after), ideal):
             m = analysis.memory
@@ -92,10 +94,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{n:3d} {cells[0]}   {cells[1]} {rows[-1][3]:10.0f}", flush=True)
         for label, analysis in (("original", before), ("rewritten", after)):
             print(f"      largest all-gathers, {label}: {_largest_gathers(analysis)}", flush=True)
-    worst = max(after.memory.temp_bytes / (rows[0][2].memory.temp_bytes / n) for n, _, after, *_ in rows)
+    first = rows[0][0]
+    worst = max(after.memory.temp_bytes / (rows[0][2].memory.temp_bytes * first / n) for n, _, after, *_ in rows)
     slowest = max(seconds for _, _, _, seconds, _ in rows)
     ok = worst <= 1.15 and slowest < 180
-    print(f"{'PASS' if worst <= 1.15 else 'FAIL'}: rewritten temp <= 1.15 x ideal at every N (worst {worst:.2f}x)")
+    if len(rows) > 1:
+        print(f"{'PASS' if worst <= 1.15 else 'FAIL'}: rewritten temp <= 1.15 x ideal at every N "
+              f"(worst {worst:.2f}x)")
+    else:
+        print(f"one context degree (N={first}): no ideal to hold temp against (it needs two)")
     print(f"{'PASS' if slowest < 180 else 'FAIL'}: the analysis (make the step, analyze) under 180 s "
           f"at every N (slowest {slowest:.0f} s)")
     return 0 if ok else 1

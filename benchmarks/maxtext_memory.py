@@ -81,9 +81,7 @@ def main(argv: list[str] | None = None) -> int:
         from shardlint.analyzer._topology import topology_devices
 
         devices = topology_devices(args.topology)
-        # MaxText's global batch is per_device_batch_size x JAX's own devices (here the
-        # host's CPU): one sequence per chip, as on the CPU rows.
-        sizes = dict(TPU, per_device_batch_size=len(devices) / len(jax.devices()))
+        sizes = TPU   # one sequence per chip (make_step counts the topology's chips), as on CPU
     where = (f"{args.topology} ({len(devices)} chips, the TPU compiler)" if devices
              else f"{len(jax.devices())} simulated CPU devices")
     sizes = dict(sizes, attention=args.attention or ("flash" if devices else "dot_product"))

@@ -210,3 +210,13 @@ def test_tpu_topology_with_the_real_compiler(tmp_path, capsys):
     assert analysis["mesh"]["context"] == 4
     moe = [f for f in analysis["findings"] if "maxtext/layers/moe.py" in json.dumps(f.get("source"))]
     assert moe and all("context" in f["axes"] for f in moe)
+
+
+def test_the_batch_is_per_device_of_the_mesh_it_is_laid_over():
+    """MaxText's global batch is per_device_batch_size x the devices JAX runs on; over
+    fewer of them (as over a TPU topology's chips from a CPU host), make_step counts the
+    mesh's devices, as MaxText counts the pod's."""
+    four = jax.devices()[:4]
+    _, (_, batch) = maxtext.make_step(devices=four, **dict(SMALL, max_target_length=128, ici_fsdp_parallelism=4))
+    assert batch["inputs"].shape == (4, 128)
+    assert batch["inputs"].sharding.spec[0] is not None   # over the four devices' fsdp axis

@@ -11,7 +11,6 @@ devices in data and fsdp axis got query.shape[0]=2/devices_in_data_fsdp=4"). Nee
 
 from __future__ import annotations
 
-import jax
 import pytest
 
 pytest.importorskip("maxtext", reason="MaxText is not installed: pip install -e '.[maxtext]' (Python 3.12+)")
@@ -40,10 +39,8 @@ def _moe_findings(analysis):
 @pytest.fixture(scope="module")
 def flash_step():
     devices = topology_devices(TOPOLOGY)
-    # MaxText's global batch is per_device_batch_size x JAX's own devices (this CPU host's):
-    # one sequence per chip.
-    fn, args = maxtext.make_step(devices=devices, per_device_batch_size=len(devices) / len(jax.devices()),
-                                 **CONFIG)
+    # One sequence per chip of the topology (per_device_batch_size's default here).
+    fn, args = maxtext.make_step(devices=devices, per_device_batch_size=1, **CONFIG)
     return fn, args, shardlint.analyze(fn, *args)
 
 

@@ -67,11 +67,17 @@ def make_step(mesh=None, *, devices: Sequence[Any] | None = None,
     `overrides` are MaxText config keys. The mesh is MaxText's own, over `devices`
     (default: `jax.devices()`); a `mesh` given must have MaxText's axes and sizes for this
     config (shardlint's CLI passes None under `--devices` and `--topology`).
+    `per_device_batch_size` is per device of that mesh (a topology's chips), as on the pod.
     """
     import jax
 
     devices = list(devices) if devices is not None else (list(mesh.devices.flat) if mesh is not None
                                                          else jax.devices())
+    if len(devices) != jax.device_count():
+        # MaxText counts its target devices (the global batch is per_device_batch_size x
+        # them) from the devices JAX runs on; under --topology those are this host's, not
+        # the topology's chips. Its own key for an AOT compile names the count.
+        overrides = dict(internal_compile=True, internal_compile_num_devices=len(devices), **overrides)
     config = make_config(platform=devices[0].platform, **overrides)   # says so if MaxText is missing
     from flax.core.spmd import logical_axis_rules
 
