@@ -146,12 +146,23 @@ def as_traced(eqn, *, its_mesh: bool = True):
 
 
 def _with_current_mesh(ctx):
-    """A copy of a `JaxprEqnContext` whose abstract mesh is the one in context now (its
-    fields differ between JAX versions: each slot is copied as it is)."""
+    """A copy of a `JaxprEqnContext` whose abstract mesh is the one in context now. Up to
+    JAX 0.12.0 the mesh is a field of its own (`cur_abstract_mesh`; the other fields differ
+    between versions: each slot is copied as it is); from 0.12.1 the context holds the
+    values of the configs it was traced under (`configs`, named by
+    `config.jaxpr_eqn_ctx_names()`), the abstract mesh's among them."""
+    from jax._src import config
+
+    slots = [s for s in type(ctx).__slots__ if s != "__weakref__" and hasattr(ctx, s)]
+    if "configs" in slots and "cur_abstract_mesh" not in slots:
+        names = config.jaxpr_eqn_ctx_names()
+        i = names.index("abstract_mesh_context_manager")
+        configs = tuple(config.jaxpr_eqn_ctx_vals()[i] if k == i else v for k, v in enumerate(ctx.configs))
+        metadata = None if ctx.xla_metadata is None else tuple(sorted(ctx.xla_metadata.items()))
+        return type(ctx)._create(metadata, configs)   # interned, as JAX makes them
     copy = object.__new__(type(ctx))
-    for slot in type(ctx).__slots__:
-        if slot != "__weakref__" and hasattr(ctx, slot):
-            object.__setattr__(copy, slot, getattr(ctx, slot))
+    for slot in slots:
+        object.__setattr__(copy, slot, getattr(ctx, slot))
     object.__setattr__(copy, "cur_abstract_mesh", jax.sharding.get_abstract_mesh())
     return copy
 
