@@ -20,6 +20,9 @@ from ._graph import dims_of, node_of, operand_of, reshape_groups
 from .._op_paths import is_backward
 from .._ops import JAXPR_LAYOUT, SAME_DIMS, WEIGHT_PATH_OPCODES
 
+# Ops that take one layer's weights out of weights stacked over layers (`w[i]`, with a
+# squeeze): they keep every dimension where it is.
+_INDEXING = frozenset({"slice", "dynamic_slice"})
 GROUPED_MATMUL_PRIMITIVES = ("ragged_dot_general", "ragged_dot", "gmm", "tgmm")
 _GMM_TARGET_WORDS = ("gmm", "ragged", "grouped", "megablox", "tgmm")
 
@@ -51,24 +54,28 @@ def reads_expert_weights(eqn, eqns, producer: dict, tokens=frozenset()) -> bool:
     dimension the matmul does not contract: an einsum with `[E, D, F]` weights, as dense
     dispatch computes every expert. Attention's `[D, heads, head_dim]` and
     `[heads, head_dim, D]` kernels contract their leading dimension and are not experts;
-    nor are inputs in `tokens` (activations, which a scan body takes as inputs too)."""
+    nor are inputs in `tokens` (activations, which a scan body takes as inputs too). A layer's
+    weight indexed out of a stack over layers (`w[i]`: a slice and a squeeze of the layer
+    dimension) is that layer's weight, its expert dimension the one after the layer's."""
     name = eqn.primitive.name
     if name not in ("dot_general", "ragged_dot_general"):
         return False
     contracting = eqn.params["dimension_numbers"][0] if name == "dot_general" else ((), ())
     for side, operand in enumerate(eqn.invars[:2]):
+        if len(getattr(operand.aval, "shape", ())) < 3:
+            continue
         chain = []   # layout ops from the weight down to the matmul's operand, last first
-        for _ in range(4):
+        for _ in range(6):
             if hasattr(operand, "val"):   # a Literal
                 break
             p = producer.get(operand)
             if p is None:
-                if len(getattr(operand.aval, "shape", ())) >= 3 and operand not in tokens:
+                if operand not in tokens:
                     leading = _leading_dim_after(reversed(chain))
                     if leading is not None and leading not in contracting[side]:
                         return True
                 break
-            if eqns[p].primitive.name not in JAXPR_LAYOUT or not eqns[p].invars:
+            if eqns[p].primitive.name not in JAXPR_LAYOUT | _INDEXING or not eqns[p].invars:
                 break
             chain.append(eqns[p])
             operand = eqns[p].invars[0]
@@ -76,12 +83,21 @@ def reads_expert_weights(eqn, eqns, producer: dict, tokens=frozenset()) -> bool:
 
 
 def _leading_dim_after(layout_eqns) -> int | None:
-    """Where a weight's leading dimension is after these layout ops (None: reshaped)."""
+    """Where a weight's leading dimension is after these layout ops (None: reshaped). Where
+    a squeeze drops it (a layer index into weights stacked over layers), the leading
+    dimension is the next one kept."""
     position = 0
     for layout in layout_eqns:
-        if layout.primitive.name == "transpose":
+        name = layout.primitive.name
+        if name == "transpose":
             position = tuple(layout.params["permutation"]).index(position)
-        elif layout.primitive.name not in SAME_DIMS:
+        elif name == "squeeze":
+            dropped = set(layout.params["dimensions"])
+            kept = [d for d in range(len(layout.invars[0].aval.shape)) if d not in dropped]
+            position = next((k for k, d in enumerate(kept) if d >= position), None)
+            if position is None:
+                return None
+        elif name not in SAME_DIMS | _INDEXING:
             return None
     return position
 

@@ -75,13 +75,18 @@ class _Emitter:
 
     def _sub(self, eqn, inner: Level, env, stacked) -> None:
         invals = [stacked[a] if a in stacked else read(env, a) for a in eqn.invars]
-        avals = [jax.ShapeDtypeStruct(((self.shards,) if v in inner.stacked_in else ()) + v.aval.shape,
-                                      v.aval.dtype, weak_type=getattr(v.aval, "weak_type", False))
-                 for v in inner.jaxpr.invars]
+        avals = [self._aval(v, v in inner.stacked_in) for v in inner.jaxpr.invars]
         new_inner = jax.make_jaxpr(self.level_fn(inner))(*avals)
         outs = bind_with(eqn, new_inner, invals)
         for k, (v, x) in enumerate(zip(eqn.outvars, outs)):
             (stacked if k in inner.stacked_out else env)[v] = x
+
+    def _aval(self, var, stacked: bool):
+        """A body input's abstract value: its global one, or, arriving stacked, one shard's
+        value per shard (a shard's shape: a per-shard capacity's slots have no global form)."""
+        shape = ((self.shards,) + tuple(self.plan.traces.local.shapes.get(var, var.aval.shape))
+                 if stacked else var.aval.shape)
+        return jax.ShapeDtypeStruct(shape, var.aval.dtype, weak_type=getattr(var.aval, "weak_type", False))
 
     def _group(self, grp: Group, level: Level, env, stacked) -> None:
         plan, token_axes = self.plan, self.token_axes

@@ -57,6 +57,32 @@ class Graph:
                     self.outer[inner] = (a, sub.stacks and k >= sub.sliced_from)
             self._index(sub.jaxpr, sub.consts)
 
+    def iota_dimension(self, var) -> int | None:
+        """The dimension of `var` along which it counts 0, 1, 2, ... where it is an iota
+        (broadcast, converted, or passed into a body: JAX hoists a loop's one-hot iota out
+        of a scan), else None."""
+        if var in self.outer:
+            operand, sliced = self.outer[var]
+            return None if sliced else self.iota_dimension(operand)
+        eqn = self.producer.get(var)
+        if eqn is None:
+            return None
+        name, operand = eqn.primitive.name, eqn.invars[0] if eqn.invars else None
+        sub = sub_of(eqn)
+        if name == "iota":
+            return eqn.params["dimension"]
+        if sub is not None and not sub.stacks:
+            inner = sub.jaxpr.outvars[eqn.outvars.index(var)]
+            return None if _jax.is_literal(inner) else self.iota_dimension(inner)
+        if operand is None or _jax.is_literal(operand):
+            return None
+        if name == "convert_element_type":
+            return self.iota_dimension(operand)
+        if name == "broadcast_in_dim":
+            found = self.iota_dimension(operand)
+            return None if found is None else eqn.params["broadcast_dimensions"][found]
+        return None
+
     def unbound(self, eqn, why: str) -> None:
         """`eqn` does not bind at one shard's shapes: its results are placeholders from now on."""
         self.opaque[id(eqn)] = why

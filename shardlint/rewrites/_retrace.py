@@ -50,7 +50,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from .. import _jax
-from .._errors import first_line
+from .._errors import ShardlintError, first_line
+from .._source import raised_by_shardlint
 from ._binder import ShardBinder
 from ._origins import Graph, Meets, from_configuration
 from ._refusals import CUMULATIVE
@@ -132,9 +133,11 @@ class _ShapePass(ShardBinder):
                 raise Meets(eqn, resized)
             try:
                 outs = super().bind(eqn, invals)
-            except Meets:
+            except (Meets, ShardlintError):
                 raise
             except Exception as error:   # JAX refusing these shapes, in whatever words
+                if raised_by_shardlint(error) and not isinstance(error, Unfit):
+                    raise   # shardlint's own bug: said as one, never as an op that does not bind
                 resized = mend(eqn, invals, known_first=known)
                 if resized:
                     raise Meets(eqn, resized) from None
@@ -231,10 +234,9 @@ class _ShapePass(ShardBinder):
         elif name in _EQUALITIES and shards in self.capacities:
             whole, per_shard = self.capacities[shards]
             for a, x in zip(eqn.invars, invals):
-                iota = self.graph.producer.get(a)
-                if iota is None or iota.primitive.name != "iota":
+                dim = None if _jax.is_literal(a) else self.graph.iota_dimension(a)
+                if dim is None:
                     continue
-                dim = iota.params["dimension"]
                 classes = a.aval.shape[dim]
                 if classes < whole:
                     continue

@@ -170,6 +170,10 @@ def test_tracing_failure_is_an_analysis_error():
     ("bsd,dhk->bshk", ((2, 8, 4), (4, 3, 5)), None, False),      # attention's query kernel
     ("bshk,hkd->bsd", ((2, 8, 3, 5), (3, 5, 4)), None, False),   # attention's output kernel
     ("bsd,edf->bsef", ((2, 8, 4), (3, 5, 4)), (0, 2, 1), True),  # [E, F, D] stored, transposed
+    # One layer's weights out of a stack over layers (`w[1]` in a Python loop over layers)
+    ("bsd,edf->bsef", ((2, 8, 4), (6, 3, 4, 5)), "layer 1", True),
+    ("bsd,dhk->bshk", ((2, 8, 4), (6, 4, 3, 5)), "layer 1", False),
+    ("bsd,df->bsf", ((2, 8, 4), (6, 4, 5)), "layer 1", False),   # a dense MLP's kernel
 ])
 def test_expert_weights_are_stacked_weights_whose_leading_dim_is_kept(spec, shapes, transpose, expected):
     """A matmul reads expert weights when a rank-3 input keeps its leading (expert) dim;
@@ -179,6 +183,8 @@ def test_expert_weights_are_stacked_weights_whose_leading_dim_is_kept(spec, shap
     from shardlint.analyzer._patterns import reads_expert_weights
 
     def f(x, w):
+        if transpose == "layer 1":
+            return jnp.einsum(spec, x, w[1])
         return jnp.einsum(spec, x, w.transpose(transpose) if transpose else w)
 
     jaxpr = jax.make_jaxpr(f)(*(jnp.zeros(s) for s in shapes)).jaxpr

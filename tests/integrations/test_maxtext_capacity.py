@@ -134,13 +134,7 @@ def _first_moments(values: dict) -> dict:
     return {k: v for k, v in values.items() if "['mu']" in k}
 
 
-def test_loss_and_gradients_are_maxtexts_layer_run_on_each_shards_tokens(layers, context_4, request):
-    if layers.get("scan_layers"):
-        request.applymarker(pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-            "issue 40 (a regression of the region-local rewrite, found 2026-12-06): with scan_layers "
-            "the per-shard-capacity rewrite's first moments differ from MaxText's dense_matmul run on "
-            "each shard's tokens (decoder_norm's mu by up to 3.5x relative, JAX 0.12.0.1 and 0.12.1); "
-            "without scan they agree")))
+def test_loss_and_gradients_are_maxtexts_layer_run_on_each_shards_tokens(layers, context_4):
     fn, args, _, fixed, _ = context_4
     reference_step, _ = maxtext.make_step(**_config(layers, 4))   # a fresh jit: traced under the patch
     with maxtext_dense_moe_per_shard(*blocks_of(args[1]["inputs"])):

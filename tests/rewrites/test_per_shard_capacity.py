@@ -66,6 +66,21 @@ def test_numbers_are_the_layer_run_on_each_shards_tokens(context):
         verify_same(fn, fixed, args, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("layers", ["scan", "scan, remat", "loop"])
+def test_stacked_layers_each_run_on_each_shards_tokens(layers, mesh):
+    """Every layer of a stack is rewritten, with its own per-shard capacity: in a scan (where
+    JAX hoists the one-hot's iota out of the loop, and the forward body saves the capacity
+    masks, one shard's size, for the backward body), and in a Python loop over the stack's
+    layers (`w[i]`: weights sliced out of the stack are expert weights too)."""
+    fn, args = rewrite_steps.make_stacked_capacity_step(mesh, layers)
+    fixed = shardlint.rewrite(fn, mesh, args=args, capacity="per-shard")
+    layer = per_shard(functools.partial(rewrite_steps.maxtext_capacity_moe, mesh=mesh),
+                      *blocks_of(args[1]), token_args=(1,))
+    reference, _ = rewrite_steps.make_stacked_capacity_step(mesh, layers, layer=layer)
+    assert verify_same(reference, fixed, args, rtol=1e-5, atol=1e-6)
+    assert shardlint.analyze(fixed, *args).findings == ()
+
+
 @pytest.mark.parametrize("leak, line, what", [
     ("positions", "# <- positions", r"a token.s position in its expert, .*\) leaves the routed region"),
     ("dispatched", "# <- dispatch", r"has a dimension sized by one shard's capacity"),

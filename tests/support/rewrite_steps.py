@@ -279,6 +279,31 @@ def make_maxtext_capacity_step(mesh, capacity_factor: float = 1.25, *, layer=Non
     return step, (_moe_params(mesh), _batch(mesh))
 
 
+def make_stacked_capacity_step(mesh, layers: str, *, layer=None):
+    """`maxtext_capacity_moe` in LAYERS residual blocks whose weights are stacked over
+    layers, value_and_grad over them and the input: `layers` is "scan" (`lax.scan` over the
+    stack: JAX hoists the one-hot's iota out of the loop and saves the per-shard capacity
+    masks for the backward body), "scan, remat" (each block under `jax.checkpoint`) or
+    "loop" (a Python loop indexing the stack, `w[i]`). `layer` replaces the layer."""
+    moe = layer or functools.partial(maxtext_capacity_moe, mesh=mesh)
+
+    def block(x_BSD, params):
+        return x_BSD + moe(params, x_BSD), None
+
+    def model(params, x_BSD):
+        if layers == "loop":
+            for i in range(LAYERS):
+                x_BSD, _ = block(x_BSD, jax.tree_util.tree_map(lambda w: w[i], params))
+            return x_BSD
+        body = jax.checkpoint(block) if layers == "scan, remat" else block
+        return jax.lax.scan(body, x_BSD, params)[0]
+
+    def step(params, x_BSD):
+        return jax.value_and_grad(lambda p, x: jnp.mean(model(p, x) ** 2), argnums=(0, 1))(params, x_BSD)
+
+    return step, (_moe_params(mesh, layers=(LAYERS,)), _batch(mesh))
+
+
 def make_kernel_wrapper_step(mesh):
     """Attention in a kernel wrapper of its own, as MaxText's flash attention is on TPU: a
     `jax.shard_map` over the mesh that checks the global batch against its batch axis (its
