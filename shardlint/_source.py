@@ -149,6 +149,17 @@ def is_library_file(file: str) -> bool:
     return path.is_relative_to(stdlib_dir) or _looks_like_stdlib(parts)
 
 
+def raised_by_shardlint(error: BaseException) -> bool:
+    """Whether `error` was raised in shardlint's own machinery (a bug of shardlint's), not
+    by JAX, a library or the user's code it called."""
+    frames = traceback.extract_tb(error.__traceback__)
+    if not frames or not os.path.isabs(frames[-1].filename):
+        return False
+    path = PurePath(os.path.normpath(frames[-1].filename))
+    shardlint_dir = _installed()[0]
+    return path.is_relative_to(shardlint_dir) and _is_machinery(path.relative_to(shardlint_dir).parts)
+
+
 def display_path(file: str) -> str:
     """A file as a user reads it: relative to the working directory when it lies under it
     (unless that path runs through an installed package folder, as a virtual environment

@@ -71,3 +71,16 @@ def test_the_steps_python_runs_once_at_its_global_shapes(mesh, monkeypatch):
     monkeypatch.setattr(jax, "shard_map", spying)
     shardlint.rewrite(fn, mesh, args=args, verify=False)
     assert seen and {shape[0] for shape in seen} == {args[1].shape[0]}
+
+
+def test_a_bug_of_shardlints_own_in_the_shape_pass_is_said_as_one(mesh, monkeypatch):
+    """The shape pass goes on past an op JAX refuses at one shard's shapes, but not past an
+    error of shardlint's own code: that is a RewriteError to report, never an op quietly
+    taken for one that does not bind (and a step left 'with nothing to rewrite')."""
+    from shardlint.rewrites import _binder, _shard_shapes
+
+    fn, args = rewrite_steps.make_kernel_wrapper_step(mesh)
+    # A broadcast's shape worked out by the slice rule: a KeyError inside shardlint.
+    monkeypatch.setattr(_binder, "broadcast_shape", _shard_shapes.slice_limits)
+    with pytest.raises(shardlint.RewriteError, match=r"KeyError: 'limit_indices'.*report it"):
+        shardlint.rewrite(fn, mesh, args=args, verify=False)
