@@ -24,7 +24,10 @@ combine weight 7.0, a token sent to the wrong expert 9.4, a capacity one larger 
 missing psum 129 (on both).
 
 `random_like` draws the inputs as an initializer draws weights, so that a comparison
-measures the rewrite rather than float32 cancellation in exploding sums.
+measures the rewrite rather than float32 cancellation in exploding sums; an input the step
+takes a square root or a logarithm of, through elementwise ops alone (an optimizer's second
+moments: optax's `nu`, Keras's velocities), is drawn non-negative (`rooted_leaves`), so that
+neither step computes NaN, which compares equal to nothing.
 """
 
 from __future__ import annotations
@@ -140,9 +143,10 @@ def verify_same(original: Callable, rewritten: Callable, args, *, rtol: float | 
                      if fixed else tolerance_of(original, args))
         if progress:
             progress(f"verifying the rewrite on random inputs ({tolerance.words()})")
+        rooted = rooted_leaves(original, args)
         # Fresh inputs for each run (the same values): a step may donate its arguments.
-        want = as_jitted(original)(*random_like(args))
-    got = as_jitted(rewritten)(*random_like(args))
+        want = as_jitted(original)(*random_like(args, non_negative=rooted))
+    got = as_jitted(rewritten)(*random_like(args, non_negative=rooted))
     bad = []
     for (path, w), g in zip(jax.tree_util.tree_leaves_with_path(want), jax.tree_util.tree_leaves(got)):
         differs = _differs(_as_numpy(w), _as_numpy(g), tolerance)
@@ -174,8 +178,39 @@ def _differs(w: np.ndarray, g: np.ndarray, tolerance: Tolerance) -> str | None:
             f"where the tolerance is {bound[at]:.3g}; {int(over.sum())} of {w.size} element(s) past it")
 
 
-def _is_second_moment(path) -> bool:
-    return any(getattr(k, "key", getattr(k, "name", None)) == "nu" for k in path)
+# Ops whose operand must be non-negative for a real result.
+_ROOTS = {"sqrt", "rsqrt", "log", "log1p", "pow"}
+
+
+def rooted_leaves(step: Callable, args) -> frozenset[int]:
+    """The flat positions of the leaves of `args` that the step takes a root or logarithm
+    of through elementwise ops alone (an optimizer's second moments), bodies of calls
+    included."""
+    jaxpr = _jax.trace(step, args).jaxpr.jaxpr
+    origin = {v: {k} for k, v in enumerate(jaxpr.invars)}
+    return frozenset(_rooted(jaxpr, origin))
+
+
+def _rooted(jaxpr, origin: dict) -> set[int]:
+    """Of the leaves `origin` maps `jaxpr`'s values to, those that reach a root."""
+    from ._shard_shapes import elementwise
+    from ._subjaxprs import sub_of
+
+    found: set[int] = set()
+    for eqn in jaxpr.eqns:
+        sources = set().union(*(origin.get(a, set()) for a in eqn.invars if not _jax.is_literal(a)))
+        if not sources:
+            continue
+        sub = sub_of(eqn)
+        if sub is not None:
+            inner = {v: origin[a] for a, v in zip(eqn.invars, sub.jaxpr.invars)
+                     if not _jax.is_literal(a) and a in origin}
+            found |= _rooted(sub.jaxpr, inner)
+        elif eqn.primitive.name in _ROOTS:
+            found |= origin.get(eqn.invars[0], set()) if not _jax.is_literal(eqn.invars[0]) else set()
+        elif elementwise(eqn) or eqn.primitive.name in ("convert_element_type", "broadcast_in_dim"):
+            origin.update((v, sources) for v in eqn.outvars)
+    return found
 
 
 def _as_numpy(value) -> np.ndarray:
@@ -185,22 +220,22 @@ def _as_numpy(value) -> np.ndarray:
     return np.asarray(value)
 
 
-def random_like(args):
+def random_like(args, non_negative: frozenset[int] = frozenset()):
     """Random values of `args`' shapes, dtypes and shardings, drawn as an initializer
     draws weights: N(0, 1/fan_in) with fan_in the second-to-last dimension (N(0, 1/4) for
     vectors and scalars), so a deep step's activations and gradients stay of order one and
     a comparison measures the rewrite, not float32 cancellation in exploding sums;
-    integers in {0, 1}. Optimizer second moments (optax's `nu`, a running mean of squared
-    gradients) are drawn non-negative: a negative one makes Adam's update NaN in both
-    steps, and NaN compares equal to nothing."""
-    leaves_with_paths, tree = jax.tree_util.tree_flatten_with_path(args)
-    keys = jax.random.split(jax.random.key(0), max(len(leaves_with_paths), 1))
+    integers in {0, 1}. The floating leaves at the flat positions `non_negative`
+    (`rooted_leaves`: an optimizer's second moments, whose negative values make Adam's
+    update NaN) are drawn non-negative."""
+    leaves, tree = jax.tree_util.tree_flatten(args)
+    keys = jax.random.split(jax.random.key(0), max(len(leaves), 1))
     values = []
-    for key, (path, x) in zip(keys, leaves_with_paths):
+    for k, (key, x) in enumerate(zip(keys, leaves)):
         if jnp.issubdtype(x.dtype, jnp.floating):
             scale = 1 / math.sqrt(x.shape[-2]) if len(x.shape) >= 2 else 0.5
             v = jax.random.normal(key, x.shape, jnp.float32) * scale
-            v = (jnp.abs(v) if _is_second_moment(path) else v).astype(x.dtype)
+            v = (jnp.abs(v) if k in non_negative else v).astype(x.dtype)
         elif jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):   # typed PRNG keys (MaxText's rngs)
             v = jax.random.split(key, math.prod(x.shape)).reshape(x.shape)
         elif jnp.issubdtype(x.dtype, jnp.integer):

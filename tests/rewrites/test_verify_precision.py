@@ -103,3 +103,26 @@ def test_a_refusal_names_each_output_that_differs(moe):
         verify_same(step, ps.make_per_shard_step(mesh, moe[0], psum=False)[0], args)
     named = re.findall(r"output\[1\]\['(w_\w+)'\]", str(info.value))
     assert named == ["w_gate", "w_in", "w_out"]   # every gradient lacks the other shards' parts
+
+
+def test_what_the_step_takes_a_root_of_is_drawn_non_negative():
+    """An optimizer's second moments, found by what the step does with them (a square root,
+    through elementwise ops), not by their name: Keras keeps its velocities in a plain list.
+    Drawn negative, Adam's update is NaN in both steps, and NaN compares equal to nothing."""
+    import jax
+
+    from shardlint.rewrites._verify import random_like, rooted_leaves
+
+    def adam_like(state, x_BD):
+        w_DF, m_DF, v_DF = state
+        g_DF = jax.grad(lambda w: jnp.sum(jnp.tanh(x_BD @ w)))(w_DF)
+        m_DF = 0.9 * m_DF + 0.1 * g_DF
+        v_DF = 0.999 * v_DF + 0.001 * g_DF * g_DF
+        return w_DF - 0.01 * m_DF / (jnp.sqrt(v_DF) + 1e-8), m_DF, v_DF
+
+    sds = jax.ShapeDtypeStruct
+    args = ([sds((4, 8), jnp.float32)] * 3, sds((2, 4), jnp.float32))
+    assert rooted_leaves(adam_like, args) == {2}
+    (w, m, v), _ = random_like(args, non_negative=rooted_leaves(adam_like, args))
+    assert float(jnp.min(v)) >= 0 and float(jnp.min(w)) < 0 and float(jnp.min(m)) < 0
+    assert not np.isnan(np.asarray(jax.jit(adam_like)(*random_like(args, rooted_leaves(adam_like, args)))[0])).any()
