@@ -37,6 +37,8 @@ from ._token_ops import count, is_address, merges_seq, pull_in_constants, splits
 
 # Comparisons whose answer does not change when labels are renamed one-to-one.
 _RELABELING_INVARIANT = {"eq", "ne"}
+# Ops whose operands place tokens (besides routing ops, gathers and scatters).
+_ARRANGING = _refusals.CUMULATIVE | {"dynamic_slice", "dynamic_update_slice", "sort", "argsort"}
 
 
 @dataclasses.dataclass
@@ -78,6 +80,8 @@ class Grower:
         if not seeds:
             return set(), set(), set(), set()
         exits = {i for i, e in enumerate(eqns) if splits_tokens(e, self.specs, self.axes)}
+        # Sums over all tokens that leave the region summed (`_statistics`)
+        statistics = {v for i in self._statistics(eqns, consumers) for v in eqns[i].outvars}
         region: set[int] = set(seeds)
         scrambled: set = set(scrambled_in)
         # With per-shard capacity: running totals over a shard's tokens (filled in as the
@@ -92,7 +96,7 @@ class Grower:
         positional: set = {v for v, labels_only in scrambled_in.items() if labels_only}
         while True:
             self._grow(eqns, producer, consumers, region, scrambled, positional, stacked_in,
-                       merges=merges, exits=exits, counts=counts)
+                       merges=merges, exits=exits, counts=counts, statistics=statistics)
             grown = set(region)
             pulled = pull_in_constants(eqns, region, self.scaled, producer, leaves)
             if not pulled:
@@ -128,7 +132,7 @@ class Grower:
         return region, scrambled | counts, positional, counts
 
     def _grow(self, eqns, producer, consumers, region, scrambled, positional, stacked_in, *,
-              merges, exits, counts) -> None:
+              merges, exits, counts, statistics: set) -> None:
         """Grows `region`, `scrambled`, `positional` and `counts` in place to a fixpoint: an
         equation joins when it reads tokens in per-shard order, or reads a per-shard value
         (group sizes, offsets) and feeds back into the region, or, with per-shard capacity,
@@ -138,7 +142,10 @@ class Grower:
         `positional` values are in (batch, seq, ...) form but hold per-shard labels (local
         positions, ids scattered and gathered back); comparing two for equality gives the
         same answer under any relabeling, so its result is an ordinary value (the JVP of
-        `x.at[i].set(u)` finds the winning update that way)."""
+        `x.at[i].set(u)` finds the winning update that way).
+
+        A statistic over the tokens (`_statistics`) leaves the region as a sum across shards:
+        what reads it reads the global value, so it does not join for that."""
         changed = True
         while changed:
             changed = False
@@ -146,8 +153,8 @@ class Grower:
             for i, e in enumerate(eqns):
                 ins = variables(e.invars)
                 if i not in region:
-                    per_shard = any(v not in self.scaled and (producer.get(v) in region or v in stacked_in)
-                                    for v in ins)
+                    per_shard = any(v not in self.scaled and v not in statistics
+                                    and (producer.get(v) in region or v in stacked_in) for v in ins)
                     slots = any(v in self.capacity and (producer.get(v) in region or v in stacked_in)
                                 for v in ins) and self.per_shard_capacity
                     if not (any(v in scrambled or v in counts for v in ins) or slots
@@ -161,6 +168,35 @@ class Grower:
                     continue
                 if self._propagate(e, scrambled, positional, reordered=i in merges):
                     changed = True
+
+    def _statistics(self, eqns, consumers) -> set[int]:
+        """Sums over every token of a value (a load-balancing loss's fraction of tokens per
+        expert, a masked token count) that arrange no tokens: before any value that carries
+        tokens again, they reach no grouped matmul, routing op, running total, gather or
+        scatter (group sizes and offsets do, and stay per shard). Per shard such a sum is a
+        shard's part of the whole one: it leaves the region summed across shards, and what
+        is computed from it (a maximum, a ratio of two) runs on the global value, as written."""
+        found = set()
+        for i, e in enumerate(eqns):
+            if (e.primitive.name == "reduce_sum" and not _jax.is_literal(e.invars[0]) and e.invars[0] in self.scaled
+                    and not any(v in self.scaled for v in e.outvars)
+                    and not self._arranges(eqns, consumers, i)):
+                found.add(i)
+        return found
+
+    def _arranges(self, eqns, consumers, start: int) -> bool:
+        seen, stack = {start}, [start]
+        while stack:
+            for v in eqns[stack.pop()].outvars:
+                for c in consumers.get(v, ()):
+                    e = eqns[c]
+                    if (is_grouped_matmul_eqn(e) or _is_routing_op(e) or e.primitive.name in _ARRANGING
+                            or e.primitive.name.startswith(("gather", "scatter"))):
+                        return True
+                    if c not in seen and not any(o in self.scaled for o in e.outvars):
+                        seen.add(c)
+                        stack.append(c)
+        return False
 
     def _propagate(self, eqn, scrambled, positional, *, reordered: bool) -> bool:
         """Marks `eqn`'s token-carrying results scrambled (and positional when they hold

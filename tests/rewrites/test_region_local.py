@@ -49,6 +49,18 @@ def test_a_region_whose_constants_carry_the_global_token_count(positions, mesh):
     assert verify_same(fn, fixed, args, rtol=1e-5, atol=1e-6)
 
 
+def test_a_statistic_over_all_tokens_leaves_the_region_summed(mesh):
+    """A load-balancing loss's sums over every token (keras-hub's Qwen3-MoE, Switch) arrange
+    no token: each shard's part is summed across shards, and the maximum and ratios taken of
+    them run on the global sums as written (before, the region took them in, and refused)."""
+    fn, args = rewrite_steps.make_balance_loss_step(mesh)
+    before = shardlint.analyze(fn, *args)
+    fixed = shardlint.rewrite(fn, mesh, args=args, analysis=before)   # verified by default
+    assert fixed.changed is True
+    assert _moe_findings(shardlint.analyze(fixed, *args)) == []
+    assert verify_same(fn, fixed, args, rtol=1e-5, atol=1e-6)
+
+
 def test_an_op_inside_the_region_that_cannot_run_per_shard_is_named(mesh):
     fn, args = rewrite_steps.make_configured_slice_step(mesh)
     line = marker_line(STEPS, "configured half")

@@ -304,6 +304,35 @@ def make_stacked_capacity_step(mesh, layers: str, *, layer=None):
     return step, (_moe_params(mesh, layers=(LAYERS,)), _batch(mesh))
 
 
+def make_balance_loss_step(mesh):
+    """The routed MoE with a load-balancing loss as keras-hub's Qwen3-MoE computes it (and
+    Switch, Mixtral): over the flattened tokens, the fraction routed to each expert and the
+    mean router probability, each masked by the valid tokens and divided by
+    `maximum(valid count, 1e-9)`, their product summed. The sums over all tokens are a
+    statistic: per shard a part of the whole, not a shard's own."""
+
+    def balance_loss(params, x_BSD):
+        b, s, d = x_BSD.shape
+        tokens_TD = x_BSD.reshape(b * s, d)
+        probs_TE = jax.nn.softmax(tokens_TD @ params["w_gate"], axis=-1)
+        _, experts_TK = jax.lax.top_k(probs_TE, TOP_K)
+        mask_TKE = jax.nn.one_hot(experts_TK, EXPERTS)
+        valid_T1 = (jnp.abs(tokens_TD).sum(-1, keepdims=True) > 0).astype(jnp.float32)
+        routed_KE = jnp.sum(mask_TKE * valid_T1[:, None, :], axis=0) / jnp.maximum(
+            jnp.sum(valid_T1[:, None, :], axis=0), 1e-9)
+        prob_E = jnp.sum(probs_TE * valid_T1, axis=0) / jnp.maximum(jnp.sum(valid_T1, axis=0), 1e-9)
+        return jnp.sum(jnp.mean(routed_KE, axis=0) * prob_E) * EXPERTS
+
+    def step(params, x_BSD):
+        def loss(params):
+            out_BSD = x_BSD + routed_moe(params, x_BSD, TOP_K)
+            return jnp.mean(out_BSD ** 2) + 0.01 * balance_loss(params, x_BSD)
+
+        return jax.value_and_grad(loss)(params)
+
+    return step, (_moe_params(mesh), _batch(mesh))
+
+
 def make_kernel_wrapper_step(mesh):
     """Attention in a kernel wrapper of its own, as MaxText's flash attention is on TPU: a
     `jax.shard_map` over the mesh that checks the global batch against its batch axis (its
