@@ -140,7 +140,8 @@ def qwen3_next(request):
     one `eval_jaxpr` call, which the rewrite enters (before, it rewrote the backward only)."""
     fn, args = maxtext.make_step(**dict(QWEN3_NEXT, base_num_decoder_layers=request.param))
     before = shardlint.analyze(fn, *args)
-    fixed = shardlint.rewrite(fn, mesh_of(args), args=args, analysis=before)
+    # Its numbers are the slow test's below: running both steps takes half an hour here.
+    fixed = shardlint.rewrite(fn, mesh_of(args), args=args, analysis=before, verify=False)
     return fn, args, before, fixed
 
 
