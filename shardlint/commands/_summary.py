@@ -66,4 +66,5 @@ def _places(analysis: Analysis, exclude: Analysis | None = None) -> list[str]:
 
 def _place(finding) -> str:
     where = str(finding.source) if finding.source else "?"   # already relative to the user
-    return f"{finding.op} at {where} lost {', '.join(finding.axes)}"
+    lost = f" lost {', '.join(finding.axes)}" if finding.axes else ""   # none named: no "lost" with nothing after
+    return f"{finding.op} at {where}{lost}"
