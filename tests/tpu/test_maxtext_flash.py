@@ -6,7 +6,7 @@ routed MoE runs per shard, the attention stays as MaxText wrote it.
 Before the rewrite bound only the routed regions at one shard's shapes, it retraced the whole
 step there and was refused at context 2 ("Batch dimension should be shardable among the
 devices in data and fsdp axis got query.shape[0]=2/devices_in_data_fsdp=4"). Needs MaxText
-(Python 3.12) and a matching libtpu; run with `python -m pytest -q -m tpu`.
+(Python 3.12) and a matching libtpu; run with `python -m pytest -q -m tpu -n 0`.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The one-chip check of ShardedRoutedMoE's Pallas path (`moe_pallas_one_chip.py`, run on a
 TPU chip by hand) kept working without one: on the CPU it skips, and in Pallas interpret
 mode it passes; with libtpu its programs, and the same layer's on a multi-chip mesh,
-compile for a TPU with the Mosaic kernels in them (`python -m pytest -q -m tpu`).
+compile for a TPU with the Mosaic kernels in them (`python -m pytest -q -m tpu -n 0`).
 """
 
 from __future__ import annotations

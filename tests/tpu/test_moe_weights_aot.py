@@ -6,7 +6,7 @@ the forward's result until the backward pass: in a Python loop of layers (no sca
 layer's whole matrices then stay in memory from its forward pass to its backward. XLA:CPU
 does that whatever the code says (it drops optimization barriers before its last CSE
 pass), so only the TPU compiler can check it. Needs libtpu; run with
-`python -m pytest -q -m tpu`.
+`python -m pytest -q -m tpu -n 0`.
 """
 
 from __future__ import annotations

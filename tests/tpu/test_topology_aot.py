@@ -5,7 +5,7 @@ At tiny shapes the TPU compiler still shows the story of DESIGN.md (batch 2: wit
 batch row the flatten keeps the sharding and the sort over tokens loses it instead): the reference step
 (flatten outside shard_map) keeps a flat temp memory as the context degree N grows and
 all-gathers the sequence, the per-shard step follows 1/N with no all-gather. Needs libtpu
-(`pip install 'shardlint[tpu]'`); run with `python -m pytest -q -m tpu`.
+(`pip install 'shardlint[tpu]'`); run with `python -m pytest -q -m tpu -n 0`.
 """
 
 from __future__ import annotations
