@@ -14,6 +14,10 @@ import sys
 import jax
 import pytest
 
+# Keras fixes its backend when it is first imported, and other test files' libraries import it
+# (TensorFlow's, through MaxText's imports); a test process runs several files, in any order.
+os.environ.setdefault("KERAS_BACKEND", "jax")
+
 jax.config.update("jax_num_cpu_devices", 8)
 jax.config.update("jax_platforms", "cpu")
 

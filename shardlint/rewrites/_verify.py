@@ -180,37 +180,43 @@ def _differs(w: np.ndarray, g: np.ndarray, tolerance: Tolerance) -> str | None:
 
 # Ops whose operand must be non-negative for a real result.
 _ROOTS = {"sqrt", "rsqrt", "log", "log1p", "pow"}
+# Ops that pass a value on as it is, laid out or annotated otherwise.
+_PASSES_ON = {"convert_element_type", "broadcast_in_dim", "reshape", "transpose", "squeeze", "expand_dims",
+              "copy", "copy_p", "reshard", "sharding_constraint", "mesh_cast"}
 
 
 def rooted_leaves(step: Callable, args) -> frozenset[int]:
     """The flat positions of the leaves of `args` that the step takes a root or logarithm
-    of through elementwise ops alone (an optimizer's second moments), bodies of calls
-    included."""
+    of through elementwise ops alone (an optimizer's second moments), in and out of the
+    bodies of calls."""
     jaxpr = _jax.trace(step, args).jaxpr.jaxpr
-    origin = {v: {k} for k, v in enumerate(jaxpr.invars)}
-    return frozenset(_rooted(jaxpr, origin))
+    found: set[int] = set()
+    _rooted(jaxpr, {v: {k} for k, v in enumerate(jaxpr.invars)}, found)
+    return frozenset(found)
 
 
-def _rooted(jaxpr, origin: dict) -> set[int]:
-    """Of the leaves `origin` maps `jaxpr`'s values to, those that reach a root."""
+def _rooted(jaxpr, origin: dict, found: set[int]) -> list:
+    """Adds to `found` the leaves (as `origin` maps `jaxpr`'s values to them) that reach a
+    root; returns the leaves each of its outputs carries on."""
     from ._shard_shapes import elementwise
     from ._subjaxprs import sub_of
 
-    found: set[int] = set()
+    def of(atom) -> set:
+        return set() if _jax.is_literal(atom) else origin.get(atom, set())
+
     for eqn in jaxpr.eqns:
-        sources = set().union(*(origin.get(a, set()) for a in eqn.invars if not _jax.is_literal(a)))
+        sources = set().union(*(of(a) for a in eqn.invars))
         if not sources:
             continue
         sub = sub_of(eqn)
         if sub is not None:
-            inner = {v: origin[a] for a, v in zip(eqn.invars, sub.jaxpr.invars)
-                     if not _jax.is_literal(a) and a in origin}
-            found |= _rooted(sub.jaxpr, inner)
+            outs = _rooted(sub.jaxpr, {v: of(a) for a, v in zip(eqn.invars, sub.jaxpr.invars)}, found)
+            origin.update((v, o) for v, o in zip(eqn.outvars, outs) if o)
         elif eqn.primitive.name in _ROOTS:
-            found |= origin.get(eqn.invars[0], set()) if not _jax.is_literal(eqn.invars[0]) else set()
-        elif elementwise(eqn) or eqn.primitive.name in ("convert_element_type", "broadcast_in_dim"):
+            found |= of(eqn.invars[0])
+        elif elementwise(eqn) or eqn.primitive.name in _PASSES_ON:
             origin.update((v, sources) for v in eqn.outvars)
-    return found
+    return [of(v) for v in jaxpr.outvars]
 
 
 def _as_numpy(value) -> np.ndarray:

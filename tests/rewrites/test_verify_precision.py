@@ -113,11 +113,14 @@ def test_what_the_step_takes_a_root_of_is_drawn_non_negative():
 
     from shardlint.rewrites._verify import random_like, rooted_leaves
 
+    @jax.jit   # the moments updated in a call of their own, the root taken after it (optax, MaxText)
+    def moments(m_DF, v_DF, g_DF):
+        return 0.9 * m_DF + 0.1 * g_DF, (0.999 * v_DF + 0.001 * g_DF * g_DF).reshape(v_DF.shape)
+
     def adam_like(state, x_BD):
         w_DF, m_DF, v_DF = state
         g_DF = jax.grad(lambda w: jnp.sum(jnp.tanh(x_BD @ w)))(w_DF)
-        m_DF = 0.9 * m_DF + 0.1 * g_DF
-        v_DF = 0.999 * v_DF + 0.001 * g_DF * g_DF
+        m_DF, v_DF = moments(m_DF, v_DF, g_DF)
         return w_DF - 0.01 * m_DF / (jnp.sqrt(v_DF) + 1e-8), m_DF, v_DF
 
     sds = jax.ShapeDtypeStruct
