@@ -37,8 +37,8 @@ from ._token_ops import count, is_address, merges_seq, pull_in_constants, splits
 
 # Comparisons whose answer does not change when labels are renamed one-to-one.
 _RELABELING_INVARIANT = {"eq", "ne"}
-# Ops whose operands place tokens (besides routing ops, gathers and scatters).
-_ARRANGING = _refusals.CUMULATIVE | {"dynamic_slice", "dynamic_update_slice", "sort", "argsort"}
+# Ops whose operands place tokens, besides routing ops (`_is_routing_op`), gathers and scatters.
+_ARRANGING = _refusals.CUMULATIVE | {"dynamic_slice", "dynamic_update_slice", "argsort"}
 
 
 @dataclasses.dataclass
@@ -185,6 +185,8 @@ class Grower:
         return found
 
     def _arranges(self, eqns, consumers, start: int) -> bool:
+        """Whether `start`'s results reach an op that places tokens, through values that
+        carry no tokens."""
         seen, stack = {start}, [start]
         while stack:
             for v in eqns[stack.pop()].outvars:

@@ -43,7 +43,10 @@ import numpy as np
 
 from .. import _jax
 from .._errors import RewriteError
+from .._ops import JAXPR_LAYOUT
 from .._wrapped import as_jitted
+from ._shard_shapes import elementwise
+from ._subjaxprs import sub_of
 
 FLOAT32_RTOL = FLOAT32_ATOL = 1e-5
 
@@ -180,9 +183,8 @@ def _differs(w: np.ndarray, g: np.ndarray, tolerance: Tolerance) -> str | None:
 
 # Ops whose operand must be non-negative for a real result.
 _ROOTS = {"sqrt", "rsqrt", "log", "log1p", "pow"}
-# Ops that pass a value on as it is, laid out or annotated otherwise.
-_PASSES_ON = {"convert_element_type", "broadcast_in_dim", "reshape", "transpose", "squeeze", "expand_dims",
-              "copy", "copy_p", "reshard", "sharding_constraint", "mesh_cast"}
+# Ops that pass a value on as it is, laid out, annotated or broadcast otherwise (the op table's).
+_PASSES_ON = JAXPR_LAYOUT | {"broadcast_in_dim"}
 
 
 def rooted_leaves(step: Callable, args) -> frozenset[int]:
@@ -198,9 +200,6 @@ def rooted_leaves(step: Callable, args) -> frozenset[int]:
 def _rooted(jaxpr, origin: dict, found: set[int]) -> list:
     """Adds to `found` the leaves (as `origin` maps `jaxpr`'s values to them) that reach a
     root; returns the leaves each of its outputs carries on."""
-    from ._shard_shapes import elementwise
-    from ._subjaxprs import sub_of
-
     def of(atom) -> set:
         return set() if _jax.is_literal(atom) else origin.get(atom, set())
 
