@@ -10,6 +10,7 @@ import contextlib
 import warnings
 
 import jax
+import numpy as np
 
 from ._source import is_jax_shim
 
@@ -114,6 +115,28 @@ def is_literal(atom) -> bool:
     from jax._src import core
 
     return isinstance(atom, core.Literal)
+
+
+def equations(jaxpr):
+    """Every equation of an open jaxpr, and of the jaxprs its equations hold (calls, loop and
+    branch bodies, shard_maps), at any depth."""
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, (list, tuple)) else (param,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    yield from equations(inner)
+
+
+def unplaced(value):
+    """A literal's value without the mesh it was traced under: from JAX 0.11 a literal is a
+    `TypedNdArray` (private) whose type names the abstract mesh in context then (a
+    shard_map's manual one); viewed again it keeps its dtype and weak type and drops that
+    mesh. Other values as they are."""
+    if isinstance(value, np.ndarray) and type(value) is not np.ndarray and hasattr(value, "aval"):
+        return value.view(type(value))
+    return value
 
 
 def user_frame(eqn) -> tuple[str, int] | None:

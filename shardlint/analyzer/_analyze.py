@@ -96,7 +96,7 @@ def _explain(compiled: Compiled, versions: dict[str, str], progress) -> Analysis
         asked_lines = frozenset(
             (a.file, a.line) for a in compiled.asked if a.op in ("sharding_constraint", "reshard"))
         drops, requested, collectives = find_lost_sharding(graph, compiled.mesh, collectives,
-                                                           asked_lines)
+                                                           asked_lines, flow.is_weight)
     collectives, findings, requested = explain(
         collectives, partitioned, flow, drops, requested, compiled.asked, graph,
         compiled.remats, compiled.mesh.as_dict())

@@ -30,11 +30,14 @@ _CONSTRAINT_OP_NAMES = {"sharding_constraint", "reshard"}
 
 
 def find_lost_sharding(graph: nx.DiGraph, mesh: MeshInfo, collectives: tuple[Collective, ...],
-                       asked_lines: frozenset = frozenset()):
+                       asked_lines: frozenset = frozenset(), moves_weights=lambda cid: False):
     """Returns (drop findings, requested reshardings, collectives attributed to the drops).
 
     `asked_lines` are the (file, line) pairs where the lowered program asks for a sharding:
-    Shardy may export such a constraint as a plain copy."""
+    Shardy may export such a constraint as a plain copy. A drop whose every collective only
+    moves a parameter (`moves_weights`, by a collective's id: an FSDP weight's slice out of
+    its layer stack, gathered whole for a shard_map that takes it replicated) is no lost
+    token sharding: those gathers are the weights'."""
     findings, requested = [], []
     raw: list[Drop] = []
     for node, data in graph.nodes(data="op"):
@@ -54,6 +57,8 @@ def find_lost_sharding(graph: nx.DiGraph, mesh: MeshInfo, collectives: tuple[Col
     for drop in raw:
         node, op, lost, operand, element = drop.node, drop.op, drop.lost, drop.operand, drop.element
         linked = links.get(node, set())
+        if linked and all(moves_weights(cid) for cid in linked):
+            continue
         nbytes = sum(c.step_bytes for c in collectives if c.id in linked)
         feeds = feeds_grouped_matmul(graph, node)
         findings.append(_finding(graph, node, op, lost, operand, element, feeds,

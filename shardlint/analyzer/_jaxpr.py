@@ -13,19 +13,5 @@ from ._patterns import is_grouped_matmul_eqn
 
 
 def grouped_matmul_sources(closed_jaxpr) -> frozenset[tuple[str, int]]:
-    found: set[tuple[str, int]] = set()
-    _walk(closed_jaxpr.jaxpr, found)
-    return frozenset(found)
-
-
-def _walk(jaxpr, found: set) -> None:
-    for eqn in jaxpr.eqns:
-        if is_grouped_matmul_eqn(eqn):
-            frame = _jax.user_frame(eqn)
-            if frame is not None:
-                found.add(frame)
-        for param in eqn.params.values():
-            for sub in param if isinstance(param, (list, tuple)) else (param,):
-                inner = getattr(sub, "jaxpr", sub)
-                if hasattr(inner, "eqns"):
-                    _walk(inner, found)
+    found = (_jax.user_frame(eqn) for eqn in _jax.equations(closed_jaxpr.jaxpr) if is_grouped_matmul_eqn(eqn))
+    return frozenset(frame for frame in found if frame is not None)

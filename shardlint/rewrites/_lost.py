@@ -45,10 +45,11 @@ def lost_in(step, args, progress, analysis=None, params_argnums=None) -> Lost:
     lines = frozenset((s.file, s.line) for s in
                       [f.source for f in lost] + [c.source for c in analysis.collectives if c.cause == Cause.LOST]
                       if s is not None)
-    # A flatten of (batch, seq) has the sequence sharded in its second dimension; a lost
-    # reshape without that (attention's heads split off a score tensor) is no flatten.
+    # A flatten of (batch, seq) before the experts, with its batch or sequence sharded (a
+    # lost reshape of other dimensions, attention's heads split off a score tensor, feeds
+    # no grouped matmul).
     flattens = [t for f in lost if f.op == "reshape" and f.feeds_grouped_matmul and len(f.operand_spec) >= 2
-                for t in [_tokens_of(f)] if t.axes.seq]
+                for t in [_tokens_of(f)] if t.axes.all]
     # A routing op on (batch, seq, ...): its first two dimensions' axes, the batch's alone
     # where only the batch is sharded. On flattened tokens (a flatten that kept them sharded:
     # the batch alone, or one batch row per device), the token dimension's axes, split into

@@ -12,6 +12,7 @@ from .. import _jax
 from .._errors import RewriteError
 from .._token_axes import as_axes
 from .._source import display_path
+from ._subjaxprs import sub_of
 
 CUMULATIVE = {"cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp"}
 # Producers whose non-token result is a sum over tokens: psum across shards restores it.
@@ -154,12 +155,38 @@ def require_linear(var, eqns, producer, mine, scaled) -> None:
         "compute it outside the layer or per group, then rewrite")
 
 
-def _is_linear(var, eqns, producer, mine, scaled, depth) -> bool:
+def _is_linear(var, eqns, producer, mine, scaled, depth, arriving=frozenset()) -> bool:
     """Whether `var` is a sum over tokens, up to linear maps of it: a shard's part summed
-    across shards gives it (a mean's 1/T keeps its global value per shard, so it is one)."""
+    across shards gives it (a mean's 1/T keeps its global value per shard, so it is one).
+    A jitted helper's result (haliax's `dot`) is asked of its body, where `arriving` are the
+    inputs that come from the region."""
     p = producer.get(var)
     if p is None or p not in mine or depth > 16:
         return False
+    eqn = eqns[p]
+    name = eqn.primitive.name
+    ins = [a for a in eqn.invars if not _jax.is_literal(a)]
+    region_ins = [v for v in ins if producer.get(v) in mine or v in arriving]
+    if name in _TOKEN_REDUCTIONS and any(v in scaled for v in region_ins):
+        return True
+    if name in _LINEAR_SUMS:
+        return len(region_ins) == len(ins) and all(
+            _is_linear(v, eqns, producer, mine, scaled, depth + 1, arriving) for v in region_ins)
+    if name in _LINEAR_UNARY and len(region_ins) == 1:
+        return _is_linear(region_ins[0], eqns, producer, mine, scaled, depth + 1, arriving)
+    if name == "div" and region_ins == ins[:1]:
+        return _is_linear(region_ins[0], eqns, producer, mine, scaled, depth + 1, arriving)
+    sub = sub_of(eqn) if name in ("jit", "pjit") else None
+    if sub is not None:
+        body = sub.jaxpr
+        inner = body.outvars[eqn.outvars.index(var)]
+        if _jax.is_literal(inner):
+            return False
+        inner_producer = {v: i for i, e in enumerate(body.eqns) for v in e.outvars}
+        inner_arriving = {b for a, b in zip(eqn.invars, body.invars) if not _jax.is_literal(a) and a in region_ins}
+        return _is_linear(inner, body.eqns, inner_producer, set(range(len(body.eqns))), scaled, depth + 1,
+                          frozenset(inner_arriving))
+    return False
     eqn = eqns[p]
     name = eqn.primitive.name
     ins = [a for a in eqn.invars if not _jax.is_literal(a)]

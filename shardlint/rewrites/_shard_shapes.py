@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
+from jax.sharding import AbstractMesh
 
 from .. import _jax
 from .._token_axes import as_axes
@@ -231,8 +232,10 @@ def _same_devices(own, mesh) -> dict[str, tuple[str, ...]]:
     """Each axis of a shard_map's own mesh as the step's mesh axes it is laid over: where
     both hold the same devices in the same order, an axis of one is a run of consecutive
     axes of the other (`dp`, `sp` are `data`, `context`; an `expert` axis over all eight
-    devices is `data` and `context` folded). {} where they hold other devices."""
-    if mesh is None or list(own.devices.flat) != list(mesh.devices.flat):
+    devices is `data` and `context` folded). {} where they hold other devices, or where
+    its mesh names no devices (an AbstractMesh, as JAX's transpose of a shard_map binds):
+    its axes are then the step's axes of the same names."""
+    if mesh is None or isinstance(own, AbstractMesh) or list(own.devices.flat) != list(mesh.devices.flat):
         return {}
     step = [(name, size) for name, size in mesh.shape.items() if size > 1]
     found, k = {}, 0

@@ -50,13 +50,14 @@ def _counts_out(eqn, counted_in: list[bool], specs) -> list[bool]:
 
 def merges_seq(eqn, specs, axes: TokenAxes) -> bool:
     """A reshape folding a sequence-sharded dim (batch-sharded, where only the batch is)
-    together with another into one dim."""
+    together with another into one dim (dims of size 1 fold nothing: attention's
+    `[b, kv_heads, 1, seq, d]` to `[b, kv_heads, seq, d]` keeps every token in place)."""
     if eqn.primitive.name != "reshape" or not eqn.invars or eqn.invars[0] not in specs:
         return False
     src = specs[eqn.invars[0]]
     shape_in, shape_out = eqn.invars[0].aval.shape, eqn.outvars[0].aval.shape
     for ins, outs in reshape_groups(shape_in, shape_out):
-        if len(ins) > 1 and len(outs) == 1 and any(
+        if _folded(ins, shape_in) and len(outs) == 1 and any(
                 set(axes.minor) & set(as_axes(src[d])) for d in ins if d < len(src)):
             return True
     return False
@@ -64,16 +65,21 @@ def merges_seq(eqn, specs, axes: TokenAxes) -> bool:
 
 def splits_tokens(eqn, specs, axes: TokenAxes) -> bool:
     """A reshape unfolding tokens back into separate (batch, seq) dims (back into a batch
-    dim, where only the batch is sharded)."""
+    dim, where only the batch is sharded); not one that only adds dims of size 1."""
     if eqn.primitive.name != "reshape" or eqn.outvars[0] not in specs:
         return False
     out = specs[eqn.outvars[0]]
     shape_in, shape_out = eqn.invars[0].aval.shape, eqn.outvars[0].aval.shape
     for ins, outs in reshape_groups(shape_in, shape_out):
-        if len(ins) == 1 and len(outs) > 1 and any(
+        if len(ins) == 1 and _folded(outs, shape_out) and any(
                 set(axes.minor) & set(as_axes(out[d])) for d in outs if d < len(out)):
             return True
     return False
+
+
+def _folded(dims, shape) -> bool:
+    """Whether a reshape's group of `dims` holds more than one that is longer than 1."""
+    return sum(shape[d] > 1 for d in dims) > 1
 
 
 # Random draws: drawn again at one shard's size, a shard would get another stream than its

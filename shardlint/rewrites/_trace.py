@@ -11,6 +11,10 @@ carry tokens shrink (`token_leaves`: sharded over the batch and sequence axes as
 value was, whatever their place in the signature); parameters and optimizer state keep
 their global shapes however they are sharded, so FSDP weights stay what they are.
 
+A shard_map of the user's in which every device computes the same thing (it splits nothing)
+is a call of its body and is inlined (`_inline`): a library that routes inside such
+shard_maps is planned as if it had written none.
+
 A pre-jitted step (`jax.jit` with shardings and donation, or the jit inside `nnx.jit`) is
 traced through the function it wraps, so that its in-shardings are not checked against
 one shard's shapes; its own `jit` equation is kept to bind the rewritten body with the
@@ -31,6 +35,7 @@ from .._errors import RewriteError, first_line
 from .._token_axes import TokenAxes, as_axes, degree
 from .._wrapped import unwrap
 from ..analyzer import in_context_as_jit, parameter_argnums
+from ._inline import inline_same_on_every_device
 from ._jitted import jit_equation
 from ._retrace import ShardShapes, shard_shapes
 from ._shard_shapes import Unfit
@@ -89,8 +94,8 @@ def trace_step(step: Callable, args: tuple, tokens: Tokens, mesh, *, per_shard_c
     # In the mesh context jax.jit needs for the step, as the analysis lowers it: a step that
     # reads the mesh in context (linen's logical constraints) traces to its constraints there.
     found = in_context_as_jit(lambda: jax.make_jaxpr(flat_fn)(*abstract), mesh, str)
-    global_jaxpr = found.made
     with found.enter():
+        global_jaxpr = inline_same_on_every_device(found.made)
         jit_eqn = jit_equation(step, args)
     axes = tokens.axes
     data = token_leaves(args, tokens, mesh, global_jaxpr.out_avals)

@@ -429,3 +429,44 @@ def make_batch_only_step(mesh):
     over `data`: the flatten keeps the sharding, top_k and the sort lose it."""
     return _loss_step(lambda params, x_BSD: routed_moe(params, x_BSD, TOP_K)), (
         _moe_params(mesh), _batch(mesh, P("data", None, None)))
+
+
+def make_replicated_routing_step(mesh, layers: str = "scan"):
+    """The routed MoE as Levanter's Mixtral writes it: its routing (top_k), its permutation
+    (argsort, the sorted tokens, the group sizes) and its unpermutation each in a
+    `jax.shard_map` over the mesh whose specs split nothing (its flattened token axis maps
+    to no mesh axis, `check_vma=False`), so every device routes every token; the grouped
+    matmuls between them outside. Differentiated, JAX splits each shard_map into a forward
+    that saves residuals over every mesh axis and a backward that sums over the mesh.
+    `layers`: "scan" (LAYERS layers stacked under `lax.scan`) or "one"."""
+    replicated = functools.partial(jax.shard_map, mesh=mesh, in_specs=P(), out_specs=P(), check_vma=False)
+
+    def permute(tokens_TD, experts_TK):
+        flat = experts_TK.reshape(-1)
+        order = jnp.argsort(flat)
+        group_sizes = jnp.bincount(flat, length=EXPERTS).astype(jnp.int32)
+        return tokens_TD[order // TOP_K], group_sizes, order
+
+    def unpermute(out_sorted, order):
+        return out_sorted[jnp.argsort(order)].reshape(-1, TOP_K, out_sorted.shape[-1])
+
+    def moe(params, x_BSD):
+        b, s, d = x_BSD.shape
+        tokens_TD = x_BSD.reshape(b * s, d)
+        logits_TE = tokens_TD @ params["w_gate"]
+        weights_TK, experts_TK = replicated(lambda logits: jax.lax.top_k(logits, TOP_K))(logits_TE)
+        sorted_TkD, group_sizes, order = replicated(permute)(tokens_TD, experts_TK)
+        hidden = jax.nn.silu(jax.lax.ragged_dot(sorted_TkD, params["w_in"], group_sizes))
+        out_TKD = replicated(unpermute)(jax.lax.ragged_dot(hidden, params["w_out"], group_sizes), order)
+        return (out_TKD * jax.nn.softmax(weights_TK, axis=-1)[..., None]).sum(1).reshape(b, s, d)
+
+    def block(x_BSD, params):
+        return x_BSD + moe(params, x_BSD), None
+
+    def model(params, x_BSD):
+        if layers == "one":
+            return block(x_BSD, params)[0]
+        return jax.lax.scan(block, x_BSD, params)[0]
+
+    stack = () if layers == "one" else (LAYERS,)
+    return _loss_step(model), (_moe_params(mesh, layers=stack), _batch(mesh))
