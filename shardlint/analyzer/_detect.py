@@ -34,10 +34,12 @@ def find_lost_sharding(graph: nx.DiGraph, mesh: MeshInfo, collectives: tuple[Col
     """Returns (drop findings, requested reshardings, collectives attributed to the drops).
 
     `asked_lines` are the (file, line) pairs where the lowered program asks for a sharding:
-    Shardy may export such a constraint as a plain copy. A drop whose every collective only
-    moves a parameter (`moves_weights`, by a collective's id: an FSDP weight's slice out of
-    its layer stack, gathered whole for a shard_map that takes it replicated) is no lost
-    token sharding: those gathers are the weights'."""
+    Shardy may export such a constraint as a plain copy. A squeeze whose every collective
+    only moves a parameter (`moves_weights`, by a collective's id: an FSDP weight's slice
+    out of its layer stack, gathered whole for a shard_map that takes it replicated) is no
+    lost token sharding: those gathers are the weights'. (A reshape that folds dimensions
+    stays a finding whatever it moves: a step's input that no token op reads looks like a
+    parameter to the provenance.)"""
     findings, requested = [], []
     raw: list[Drop] = []
     for node, data in graph.nodes(data="op"):
@@ -57,7 +59,7 @@ def find_lost_sharding(graph: nx.DiGraph, mesh: MeshInfo, collectives: tuple[Col
     for drop in raw:
         node, op, lost, operand, element = drop.node, drop.op, drop.lost, drop.operand, drop.element
         linked = links.get(node, set())
-        if linked and all(moves_weights(cid) for cid in linked):
+        if linked and _squeezes(graph, drop) and all(moves_weights(cid) for cid in linked):
             continue
         nbytes = sum(c.step_bytes for c in collectives if c.id in linked)
         feeds = feeds_grouped_matmul(graph, node)
@@ -66,6 +68,12 @@ def find_lost_sharding(graph: nx.DiGraph, mesh: MeshInfo, collectives: tuple[Col
     collectives = attribute(collectives, findings)
     findings.sort(key=lambda f: (f.source.file if f.source else "", f.source.line if f.source else 0, f.op_path))
     return tuple(findings), tuple(requested), collectives
+
+
+def _squeezes(graph, drop: Drop) -> bool:
+    """A reshape that only removes or adds dimensions of size 1."""
+    sizes = lambda dims: [d for d in dims if d != 1]   # noqa: E731
+    return drop.op == "reshape" and sizes(dims_of(graph, drop.operand, drop.element)) == sizes(dims_of(graph, drop.node))
 
 
 def _op_label(data, asked_lines=()) -> str | None:
