@@ -145,6 +145,8 @@ class _ShapePass(ShardBinder):
                 outs = self._placeholders(eqn)
         outs = [self._made_as_met(v, x) for v, x in zip(eqn.outvars, outs)]
         self.shapes.update((v, np.shape(x)) for v, x in zip(eqn.outvars, outs))
+        if eqn.primitive.name == "reshape" and eqn.params.get("dimensions") is None:
+            self._fold(eqn, np.shape(invals[0]))
         self._count(eqn, invals)
         if elementwise(eqn):
             self._settle(eqn)
@@ -163,12 +165,17 @@ class _ShapePass(ShardBinder):
     def reshape_sizes(self, eqn, shape_in) -> tuple:
         shape = eqn.invars[0].aval.shape
         sizes, guessed = reshaped(shape, shape_in, eqn.params["new_sizes"], self.folds)
-        for run, local in folded(shape, shape_in, eqn.params["new_sizes"]).items():
-            self.folds.setdefault(run, local)
         if guessed:
             self.guesses[eqn.outvars[0]] = (eqn.outvars[0], guessed)
             self.unsettled.add(eqn.outvars[0])
         return sizes
+
+    def _fold(self, eqn, shape_in) -> None:
+        """Records the dimensions a reshape folds at their sizes on one shard (whatever made
+        its result's size: its operand, or the size it is met with), for a later reshape that
+        unfolds them (`folds`)."""
+        for run, local in folded(eqn.invars[0].aval.shape, shape_in, eqn.params["new_sizes"]).items():
+            self.folds.setdefault(run, local)
 
     def _placeholders(self, eqn) -> list:
         """Results of the shapes they are made at, or that a user's shard_map gives them on
