@@ -204,3 +204,46 @@ def _kernel(cur_ref, next_ref, row_ref, *refs, G, R, K, tt, I, weighted, with_ro
         out_ref[t] = acc.astype(out_ref.dtype)
         return carry
     jax.lax.fori_loop(0, tt, token, 0)
+
+
+def rows_dot(rows_NCL: jax.Array, g_TCL: jax.Array, K: int, *, interpret: bool,
+             vmem_limit: int) -> jax.Array:
+    """dots_TK[t, k] = rows_NCL[t * K + k] . g_TCL[t] in float32 (rows and g whole
+    [C, L] tiles: `gather_sum`'s rows): the combine's weights' gradient. XLA:TPU
+    broadcast g over K into a [T, K, C, L] buffer of its own first (0.82 ms of
+    ShardedRoutedMoE's step on a v5e, then 1.07 ms of multiply and reduce)."""
+    T, C, L = g_TCL.shape
+    tt = 8
+    while tt < 128 and T % (2 * tt) == 0 and 2 * tt * K * C * L * rows_NCL.dtype.itemsize \
+            <= _BUFFER_BYTES:
+        tt *= 2
+    I = -(-T // tt)
+    if I * tt != T:
+        rows_NCL = jnp.pad(rows_NCL, ((0, (I * tt - T) * K), (0, 0), (0, 0)))
+        g_TCL = jnp.pad(g_TCL, ((0, I * tt - T), (0, 0), (0, 0)))
+
+    def kernel(y_ref, g_ref, o_ref):
+        def token(t, carry):
+            g = g_ref[t].astype(jnp.float32)
+            o_ref[t] = jnp.concatenate(
+                [jnp.sum(y_ref[t * K + k].astype(jnp.float32) * g, axis=0, keepdims=True)
+                 for k in range(K)], axis=0)
+            return carry
+        jax.lax.fori_loop(0, tt, token, 0)
+
+    def call(rows_NCL, g_TCL):
+        return pl.pallas_call(
+            kernel,
+            out_shape=_compat.out_struct((I * tt, K, L), jnp.float32, rows_NCL, g_TCL),
+            grid=(I,),
+            in_specs=[pl.BlockSpec((tt * K, C, L), lambda i: (i, 0, 0)),
+                      pl.BlockSpec((tt, C, L), lambda i: (i, 0, 0))],
+            out_specs=pl.BlockSpec((tt, K, L), lambda i: (i, 0, 0)),
+            compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",),
+                                                 vmem_limit_bytes=vmem_limit),
+            interpret=interpret,
+            name="shardlint_rows_dot",
+        )(rows_NCL, g_TCL)
+
+    out = _compat.per_device(call, rows_NCL, g_TCL) if interpret else call(rows_NCL, g_TCL)
+    return jnp.sum(out[:T], axis=-1)

@@ -504,10 +504,9 @@ def _experts_bwd(static, residuals, g_TD):
     runs = _gather.Runs(ranges, row_TK, tt)
     with jax.named_scope("moe/combine"):
         g_PX, w_P = _permute.rows_and_weights(g_TD, weights_TK, src_P)
-        row_shape = y_TKCL.shape[1:]
-        dw_TK = _permute.combine_weights_grad(y_TKCL.reshape(T, K, *row_shape),
-                                              g_TD.reshape(T, *row_shape),
-                                              (row_TK[:T * K] >= 0).reshape(T, K))
+        dots_TK = _gather.rows_dot(y_TKCL, g_TD.reshape(T, *y_TKCL.shape[1:]), K,
+                                   interpret=p.interpret, vmem_limit=p.vmem_limit)
+        dw_TK = jnp.where((row_TK[:T * K] >= 0).reshape(T, K), dots_TK, 0)
     with jax.named_scope("moe/experts"):
         dx_PCL, dwi_0, dwi_1, dwo, *zeros = _swiglu_grads(p, swiglu_res, g_PX, w_P[:, None],
                                                           lanes=_gather.lanes(D))
