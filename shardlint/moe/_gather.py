@@ -19,7 +19,12 @@ copies each run with a few DMAs of static sizes (16-row copies, then the length'
 binary digits), the next tile's while it sums this one's, and sums each token's rows in
 float32 (times its weight, when given), in order k = 0..K-1. With `with_rows` it also
 writes the K rows themselves ([T * K, C, L]), from which the combine's weights get their
-gradient.
+gradient (`rows_dot`). On a v5e, in ShardedRoutedMoE's step (T=8192, K=8, D=2048): 0.96 ms
+for the combine (rows written too) and 0.87 ms for the sort's backward.
+
+In interpret mode (the CPU tests) the kernels run in Pallas's own interpreter, inside
+`shard_map` one device's values at a time (`_compat.per_device`); its TPU interpret mode
+(`pltpu.InterpretParams`) aborted the process there, on 8 simulated CPU devices.
 """
 
 from __future__ import annotations
@@ -133,7 +138,7 @@ def gather_sum(table_PCL: jax.Array, r: Runs, weights_TK: jax.Array | None, T: i
                                 pltpu.SemaphoreType.DMA((2,))]),
             compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",),
                                                  vmem_limit_bytes=vmem_limit),
-            interpret=pltpu.InterpretParams() if interpret else False,
+            interpret=interpret,
             name="shardlint_gather_sum",
         )(*operands)
 

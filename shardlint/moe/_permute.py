@@ -14,9 +14,10 @@ here the backward pass is the gather by the inverse indices (a row that feeds K 
 sums the K gathered rows). Indices out of range read zeros. Rows are gathered in their
 own dtype; the float32 sums and the masks of out-of-range indices come after.
 
-`combine` is the unsort and the weighted sum of each token's K rows in one gather;
-`combine_weights_grad` and `rows_and_weights` are the pieces of its backward pass, which
-`_gmm.tiled_swiglu_combine` owns (it scales the rows of g inside the kernels).
+`combine` is the unsort and the weighted sum of each token's K rows in one gather (the
+reference the tests hold the layer's path to; that path reads the rows back with
+`_gather` inside `_gmm.tiled_experts`, whose backward pass gathers the rows of g to the
+slots with their weights by `rows_and_weights`).
 """
 
 from __future__ import annotations
@@ -155,15 +156,6 @@ def combine(y_PD: jax.Array, pos_TK: jax.Array, weights_TK: jax.Array) -> jax.Ar
     y32_TKD = jnp.where(_in_range(pos_TK, y_PD.shape[0])[..., None],
                         y_TKD.astype(jnp.float32), 0)
     return jnp.sum(y32_TKD * weights_TK[:, :, None], axis=1).astype(y_PD.dtype)
-
-
-def combine_weights_grad(y_TK_: jax.Array, g_T_: jax.Array, live_TK: jax.Array) -> jax.Array:
-    """The gradient of the combine's weights for output cotangent g: y_TK_[t, k] . g_T_[t]
-    (each row any shape) in float32, zero for a choice not `live_TK` (its row of y may
-    hold anything)."""
-    axes = tuple(range(2, y_TK_.ndim))
-    dw_TK = jnp.sum(y_TK_.astype(jnp.float32) * g_T_.astype(jnp.float32)[:, None], axis=axes)
-    return jnp.where(live_TK, dw_TK, 0)
 
 
 def rows_and_weights(g_TD: jax.Array, weights_TK: jax.Array,

@@ -136,9 +136,9 @@ def test_sort_swiglu_and_combine_as_one_vjp_equal_the_three_apart(moe_testlib, p
 
 
 def test_gather_sum_reads_runs_of_any_length(moe_testlib):
-    """`_gather.gather_sum` against a gather and a sum, with runs of slots from 0 to 37
-    rows (copies of 16 rows, then 8, 4, 2, 1), tokens not a whole number of tiles, and a
-    table of [P, C, L] rows."""
+    """`_gather.gather_sum` against a gather and a sum, with runs of slots from none to
+    more than two copies of 16 rows (then copies of 8, 4, 2, 1), tokens not a whole number
+    of tiles, some choices with no slot, and a table of [P, C, L] rows."""
     T, K, G, C, L = 40, 3, 4, 2, 8
     group_TK = jnp.asarray(np.random.default_rng(0).choice(G + 1, (T, K), p=[0.8, 0.1, 0.05,
                                                                            0.0, 0.05]))
