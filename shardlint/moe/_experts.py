@@ -30,7 +30,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from . import _compat, _gmm, _gmm_plan, _permute
+from . import _compat, _gather, _gmm, _gmm_plan, _permute
 from ._config import MoeConfig
 from ._ring import IN_PLACE, WeightSlices, matmul
 from ._routing import route
@@ -153,11 +153,14 @@ def sparse_experts(x_TD: jax.Array, weights_TK: jax.Array, experts_TK: jax.Array
     plan = _gmm_plan.plan(T * K, weights[0].shape[-2:], num_experts, x_TD.dtype,
                           weights_whole=slices.size == 1)
     if plan is not None:
-        layout, x_PD = _tiled_layout(x_TD, experts_TK.reshape(T * K), num_experts, K, plan)
-        # the experts and the combine: one VJP (its doc says why), scoped inside
-        return _gmm.tiled_swiglu_combine(x_PD, *weights, layout.tile_group_I,
-                                         layout.num_tiles, layout.pos_M.reshape(T, K),
-                                         layout.src_P, weights_TK, plan)
+        group_M = experts_TK.reshape(T * K)
+        with jax.named_scope("moe/sort"):
+            layout = _permute.padded_layout(group_M, num_experts, plan.tm, plan.bm)
+            runs = _gather.runs(layout.pos_M.reshape(T, K), experts_TK, num_experts,
+                                _gather.token_tile(T, K, x_TD.shape[1] * x_TD.dtype.itemsize,
+                                                   plan.interpret))
+        # the sort, the experts and the combine: one VJP (its doc says why), scoped inside
+        return _gmm.tiled_experts(x_TD, *weights, layout, runs, weights_TK, plan)
     y_MD = grouped_swiglu(x_TD, experts_TK.reshape(T * K), num_experts, *weights,
                           repeat=K, slices=slices)
     return combine_rows(y_MD, weights_TK)

@@ -28,9 +28,14 @@ Only the tiles in use run (the grid's row dimension is the traced visit count). 
 the result past the last used tile hold whatever the kernels left there; callers never
 read them.
 
-`tiled_swiglu_combine` is the SwiGLU followed by each token's weighted sum of its K rows,
-one VJP: its backward pass hands `_down_grad` and the output's `_tgmm` the rows of g with
-each row's weight, and they scale the rows as they load them.
+`tiled_experts` is the layer's sort, this SwiGLU and each token's weighted sum of its K
+rows, one VJP: the down projection and the input gradient write the slots' rows as whole
+tiles of the chip's memory ([P, D / 128, 128], `_store`), which `_gather` copies back to
+the tokens by DMA (XLA's gathers of them took 2.6 ms each, gather and reduce, in
+ShardedRoutedMoE's step on a v5e; the kernel 0.96 and 0.87 ms); its backward pass hands
+`_down_grad` and the output's `_tgmm` the rows of g with each row's weight, and they scale
+the rows as they load them. `tiled_swiglu` is the SwiGLU alone (rows in and out in
+[P, D], for `grouped_swiglu`'s other callers).
 
 Inside `shard_map` the kernels take values that vary over its axes (cast alike first, so
 that the custom VJPs return each gradient typed as its input); in interpret mode they run
@@ -49,7 +54,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from . import _compat, _permute
+from . import _compat, _gather, _permute
 from ._gmm_plan import Plan, Tiles
 
 
@@ -148,10 +153,11 @@ def _launch(p: Plan, call, tile_group_I, num_tiles, operands: list):
 
 
 def _call(kernel, name: str, t: Tiles, K: int, N: int, p: Plan, tile_group_I, num_tiles,
-          in_specs, out_shapes: list, products: int, operands: list):
+          in_specs, out_shapes: list, products: int, operands: list, lanes: int | None = None):
     """A pallas_call over (N blocks, visits, K blocks); scalar prefetch: the visits
     (`_visits`). `in_specs(V)`: the operands' blocks for V tiles. Its outputs
-    (`out_shapes`) are declared to vary as the operands do."""
+    (`out_shapes`) are declared to vary as the operands do; with `lanes`, each is
+    [P, N / lanes, lanes] (`_store`)."""
     P = out_shapes[0].shape[0]
     V = tile_group_I.shape[0]
     k_steps = K // t.k
@@ -164,8 +170,7 @@ def _call(kernel, name: str, t: Tiles, K: int, N: int, p: Plan, tile_group_I, nu
                 num_scalar_prefetch=1,
                 grid=(N // t.n, num_visits, k_steps),
                 in_specs=in_specs(V),
-                out_specs=[pl.BlockSpec((t.m, t.n), lambda n, v, k, meta: (meta[v], n))]
-                          * len(out_shapes),
+                out_specs=[_out_spec(t, lanes)] * len(out_shapes),
                 scratch_shapes=[pltpu.VMEM((t.m, t.n), jnp.float32)] if k_steps > 1 else []),
             compiler_params=_params(p, ("parallel", "arbitrary", "arbitrary")),
             interpret=p.interpret,
@@ -176,9 +181,10 @@ def _call(kernel, name: str, t: Tiles, K: int, N: int, p: Plan, tile_group_I, nu
 
 
 def _gmm(x_PK: jax.Array, w_GAB: jax.Array, tile_group_I: jax.Array,
-         num_tiles: jax.Array, p: Plan, *, transpose_rhs: bool) -> jax.Array:
+         num_tiles: jax.Array, p: Plan, *, transpose_rhs: bool,
+         lanes: int | None = None) -> jax.Array:
     """y_PN = x_PK @ w[g] (or @ w[g]^T with `transpose_rhs`) for the rows of each tile,
-    g being the tile's group."""
+    g being the tile's group; with `lanes`, as [P, N / lanes, lanes] (`_store`)."""
     P, K = x_PK.shape
     N = w_GAB.shape[1] if transpose_rhs else w_GAB.shape[2]
     t = p.tiles(K, N, x_PK.dtype.itemsize)
@@ -192,7 +198,7 @@ def _gmm(x_PK: jax.Array, w_GAB: jax.Array, tile_group_I: jax.Array,
             prod = jax.lax.dot_general(x_ref[rows, :], w_ref[...], dims,
                                        preferred_element_type=jnp.float32)
             if k_steps == 1:
-                o_ref[rows, :] = prod.astype(o_ref.dtype)
+                _store(o_ref, rows, prod, lanes)
                 return
 
             @pl.when(k == 0)
@@ -205,13 +211,36 @@ def _gmm(x_PK: jax.Array, w_GAB: jax.Array, tile_group_I: jax.Array,
 
             @pl.when(k == k_steps - 1)
             def _():
-                o_ref[rows, :] = acc[0][rows, :].astype(o_ref.dtype)
+                _store(o_ref, rows, acc[0][rows, :], lanes)
         _each_visit(p, meta_ref, pl.program_id(1), V, body)
 
     return _call(kernel, "shardlint_gmm_t" if transpose_rhs else "shardlint_gmm", t, K, N,
                  p, tile_group_I, num_tiles,
                  lambda V: _row_specs(t, 1, True) + _weight_specs(t, V, 1, transpose_rhs),
-                 [jax.ShapeDtypeStruct((P, N), x_PK.dtype)], 1, [x_PK, w_GAB])[0]
+                 [_rows_struct(P, N, x_PK.dtype, lanes)], 1, [x_PK, w_GAB], lanes)[0]
+
+
+def _rows_struct(P: int, N: int, dtype, lanes: int | None) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct((P, N) if lanes is None else (P, N // lanes, lanes), dtype)
+
+
+def _out_spec(t: Tiles, lanes: int | None) -> pl.BlockSpec:
+    """The output block at visit v's block and N block n ([P, N / lanes, lanes] with
+    `lanes`)."""
+    if lanes is None:
+        return pl.BlockSpec((t.m, t.n), lambda n, v, k, meta: (meta[v], n))
+    return pl.BlockSpec((t.m, t.n // lanes, lanes), lambda n, v, k, meta: (meta[v], n, 0))
+
+
+def _store(o_ref, rows, value: jax.Array, lanes: int | None) -> None:
+    """o_ref[rows] = value, rounded to o_ref's dtype; with `lanes`, each row of value
+    stored as [N / lanes, lanes], whole tiles of the chip's memory: the layout `_gather`
+    copies rows out of (a copy of one row of a [P, N] array is not possible there)."""
+    if lanes is not None:
+        value = value.reshape(value.shape[0], value.shape[1] // lanes, lanes)
+        o_ref[rows] = value.astype(o_ref.dtype)
+    else:
+        o_ref[rows, :] = value.astype(o_ref.dtype)
 
 
 _NN = (((1,), (0,)), ((), ()))
@@ -282,8 +311,10 @@ def _scale_specs(t: Tiles, scaled: bool) -> list:
     return [pl.BlockSpec((t.m, 1), lambda n, v, k, meta: (meta[v], 0))] if scaled else []
 
 
-def _up_grad(dh0_PF, dh1_PF, wi_0_GDF, wi_1_GDF, tile_group_I, num_tiles, p: Plan):
-    """dx = dh0 @ wi_0[g]^T + dh1 @ wi_1[g]^T (summed in float32)."""
+def _up_grad(dh0_PF, dh1_PF, wi_0_GDF, wi_1_GDF, tile_group_I, num_tiles, p: Plan,
+             lanes: int | None = None):
+    """dx = dh0 @ wi_0[g]^T + dh1 @ wi_1[g]^T (summed in float32); with `lanes`, as
+    [P, D / lanes, lanes] (`_store`)."""
     P, F = dh0_PF.shape
     D = wi_0_GDF.shape[1]
     t = p.tiles(F, D, dh0_PF.dtype.itemsize, lhs=2, rhs=2, split_k=False)
@@ -294,13 +325,13 @@ def _up_grad(dh0_PF, dh1_PF, wi_0_GDF, wi_1_GDF, tile_group_I, num_tiles, p: Pla
                                      preferred_element_type=jnp.float32)
             dx += jax.lax.dot_general(b_ref[rows, :], w1_ref[...], _NT,
                                       preferred_element_type=jnp.float32)
-            dx_ref[rows, :] = dx.astype(dx_ref.dtype)
+            _store(dx_ref, rows, dx, lanes)
         _each_visit(p, meta_ref, pl.program_id(1), V, body)
 
-    out = jax.ShapeDtypeStruct((P, D), dh0_PF.dtype)
+    out = _rows_struct(P, D, dh0_PF.dtype, lanes)
     return _call(kernel, "shardlint_gmm_up_grad", t, F, D, p, tile_group_I, num_tiles,
                  lambda V: _row_specs(t, 2, True) + _weight_specs(t, V, 2, True), [out], 2,
-                 [dh0_PF, dh1_PF, wi_0_GDF, wi_1_GDF])[0]
+                 [dh0_PF, dh1_PF, wi_0_GDF, wi_1_GDF], lanes)[0]
 
 
 def _tgmm(x_PK: jax.Array, dy_PN: jax.Array, tile_group_I: jax.Array,
@@ -388,24 +419,24 @@ def _swiglu(x_PD, wi_0_GDF, wi_1_GDF, wo_GFD, tile_group_I, num_tiles, p):
     return _swiglu_fwd(x_PD, wi_0_GDF, wi_1_GDF, wo_GFD, tile_group_I, num_tiles, p)[0]
 
 
-def _swiglu_fwd(x_PD, wi_0_GDF, wi_1_GDF, wo_GFD, tile_group_I, num_tiles, p):
+def _swiglu_fwd(x_PD, wi_0_GDF, wi_1_GDF, wo_GFD, tile_group_I, num_tiles, p, lanes=None):
     h0_PF, h1_PF, h_PF = _up(x_PD, wi_0_GDF, wi_1_GDF, tile_group_I, num_tiles, p)
-    y_PD = _gmm(h_PF, wo_GFD, tile_group_I, num_tiles, p, transpose_rhs=False)
+    y_PD = _gmm(h_PF, wo_GFD, tile_group_I, num_tiles, p, transpose_rhs=False, lanes=lanes)
     return y_PD, (x_PD, wi_0_GDF, wi_1_GDF, wo_GFD, h0_PF, h1_PF, h_PF, tile_group_I,
                   num_tiles)
 
 
-def _swiglu_grads(p, residuals, dy_PX, scale_P1=None):
+def _swiglu_grads(p, residuals, dy_PX, scale_P1=None, lanes=None):
     """The SwiGLU's gradients for output cotangent dy (the first D columns of dy_PX; the
     kernels read them in place), or for dy's rows times `scale_P1` ([P, 1] float32),
-    applied inside the kernels that read dy."""
+    applied inside the kernels that read dy; with `lanes`, x's as [P, D / lanes, lanes]."""
     x_PD, wi_0_GDF, wi_1_GDF, wo_GFD, h0_PF, h1_PF, h_PF, tile_group_I, num_tiles = residuals
     meta = (tile_group_I, num_tiles)
     G, _, D = wo_GFD.shape
     dy_PX = dy_PX.astype(x_PD.dtype)
     dwo = _tgmm(h_PF, dy_PX, *meta, G, p, wo_GFD.dtype, scale_P1, n=D)
     dh0_PF, dh1_PF = _down_grad(dy_PX, wo_GFD, h0_PF, h1_PF, *meta, p, scale_P1)
-    dx_PD = _up_grad(dh0_PF, dh1_PF, wi_0_GDF, wi_1_GDF, *meta, p)
+    dx_PD = _up_grad(dh0_PF, dh1_PF, wi_0_GDF, wi_1_GDF, *meta, p, lanes)
     dwi_0 = _tgmm(x_PD, dh0_PF, *meta, G, p, wi_0_GDF.dtype)
     dwi_1 = _tgmm(x_PD, dh1_PF, *meta, G, p, wi_1_GDF.dtype)
     return (dx_PD, dwi_0, dwi_1, dwo, np.zeros(tile_group_I.shape, jax.dtypes.float0),
@@ -415,55 +446,82 @@ def _swiglu_grads(p, residuals, dy_PX, scale_P1=None):
 _swiglu.defvjp(_swiglu_fwd, _swiglu_grads)
 
 
-# ---------------------------------------------------------------- SwiGLU, then combine
+# ---------------------------------------------------------------- sort, SwiGLU, combine
 
 
-def tiled_swiglu_combine(x_PD: jax.Array, wi_0_GDF: jax.Array, wi_1_GDF: jax.Array,
-                         wo_GFD: jax.Array, tile_group_I: jax.Array, num_tiles: jax.Array,
-                         pos_TK: jax.Array, src_P: jax.Array, weights_TK: jax.Array,
-                         p: Plan) -> jax.Array:
-    """`tiled_swiglu`, then each token's K rows combined by weight: y_TD[t] = sum over k
-    of weights_TK[t, k] * y_PD[pos_TK[t, k]] (`_permute.combine`; `src_P[p]`: the flat
-    t * K + k of slot p, T * K for padding).
+def tiled_experts(x_TD: jax.Array, wi_0_GDF: jax.Array, wi_1_GDF: jax.Array,
+                  wo_GFD: jax.Array, layout: _permute.PaddedLayout, runs: _gather.Runs,
+                  weights_TK: jax.Array, p: Plan) -> jax.Array:
+    """Each token's K choices through their experts' SwiGLU, combined by weight:
+    y_TD[t] = sum over k of weights_TK[t, k] * swiglu_g(x_TD[t]), g its k-th expert, the
+    rows in `layout` (`_permute.padded_layout` of the T * K choices, token-major) and
+    `runs` (`_gather.runs` of its slots).
 
-    One VJP for both, so that the backward pass needs no [P, D] pass of its own: the
-    rows of g reach the slots by one gather with their weights (`_permute.rows_and_weights`),
-    and the kernels that read them (`_down_grad`, `_tgmm`) scale each row by its weight as
-    they load it; scaling them in a pass over all P slots took 1.03 ms of RoutedMoE's
-    training step on a v5e (`benchmarks/tpu_moe_profile.py`). The weights' gradient comes
-    from the rows the forward pass gathered (`_permute.combine_weights_grad`). Its parts
-    carry the layer's scopes, moe/experts and moe/combine."""
-    return _swiglu_combine(*_compat.vary_alike(x_PD, wi_0_GDF, wi_1_GDF, wo_GFD,
-                                               tile_group_I, num_tiles, pos_TK, src_P,
-                                               weights_TK), p)
+    One VJP for the sort, the SwiGLU and the combine, so that the rows of the P slots are
+    read back by `_gather.gather_sum` both ways: the kernels that write them (the down
+    projection forward, the input gradient backward) write each row as whole tiles of
+    the chip's memory, [P, D / L, L], which only this VJP's own parts read. The rows of x
+    reach the slots by a gather out of the T tokens (fast: `_permute`), and the backward
+    pass needs no [P, D] pass of its own: the rows of g reach the slots by one gather
+    with their weights (`_permute.rows_and_weights`), and the kernels that read them
+    (`_down_grad`, `_tgmm`) scale each row by its weight as they load it; scaling them in
+    a pass over all P slots took 1.03 ms of RoutedMoE's training step on a v5e
+    (`benchmarks/tpu_moe_profile.py`). The weights' gradient comes from the rows the
+    forward pass gathered. Its parts carry the layer's scopes, moe/sort, moe/experts and
+    moe/combine."""
+    return _experts_vjp(*_compat.vary_alike(x_TD, wi_0_GDF, wi_1_GDF, wo_GFD,
+                                            layout.tile_group_I, layout.num_tiles,
+                                            layout.src_P, runs.ranges, runs.row_TK,
+                                            weights_TK),
+                        (p, runs.tt))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(9,))
-def _swiglu_combine(x_PD, wi_0_GDF, wi_1_GDF, wo_GFD, tile_group_I, num_tiles, pos_TK,
-                    src_P, weights_TK, p):
-    return _swiglu_combine_fwd(x_PD, wi_0_GDF, wi_1_GDF, wo_GFD, tile_group_I, num_tiles,
-                               pos_TK, src_P, weights_TK, p)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(10,))
+def _experts_vjp(x_TD, wi_0_GDF, wi_1_GDF, wo_GFD, tile_group_I, num_tiles, src_P, ranges,
+                 row_TK, weights_TK, static):
+    return _experts_fwd(x_TD, wi_0_GDF, wi_1_GDF, wo_GFD, tile_group_I, num_tiles, src_P,
+                        ranges, row_TK, weights_TK, static)[0]
 
 
-def _swiglu_combine_fwd(x_PD, wi_0_GDF, wi_1_GDF, wo_GFD, tile_group_I, num_tiles, pos_TK,
-                        src_P, weights_TK, p):
+def _experts_fwd(x_TD, wi_0_GDF, wi_1_GDF, wo_GFD, tile_group_I, num_tiles, src_P, ranges,
+                 row_TK, weights_TK, static):
+    p, tt = static
+    T, K = weights_TK.shape
+    D = x_TD.shape[1]
+    runs = _gather.Runs(ranges, row_TK, tt)
+    with jax.named_scope("moe/sort"):
+        x_PD = _permute.take_or_zero(x_TD, src_P // K)
     with jax.named_scope("moe/experts"):
-        y_PD, swiglu_res = _swiglu_fwd(x_PD, wi_0_GDF, wi_1_GDF, wo_GFD, tile_group_I,
-                                       num_tiles, p)
+        y_PCL, swiglu_res = _swiglu_fwd(x_PD, wi_0_GDF, wi_1_GDF, wo_GFD, tile_group_I,
+                                        num_tiles, p, lanes=_gather.lanes(D))
     with jax.named_scope("moe/combine"):
-        y_TD, y_TKD = _permute.combine(y_PD, pos_TK, weights_TK)
-    return y_TD, (swiglu_res, y_TKD, pos_TK, src_P, weights_TK)
+        y_TCL, y_TKCL = _gather.gather_sum(y_PCL, runs, weights_TK, T, K, with_rows=True,
+                                           interpret=p.interpret, vmem_limit=p.vmem_limit)
+        y_TD = y_TCL.reshape(T, D)
+    return y_TD, (swiglu_res, y_TKCL, src_P, ranges, row_TK, weights_TK)
 
 
-def _swiglu_combine_bwd(p, residuals, g_TD):
-    swiglu_res, y_TKD, pos_TK, src_P, weights_TK = residuals
+def _experts_bwd(static, residuals, g_TD):
+    p, tt = static
+    swiglu_res, y_TKCL, src_P, ranges, row_TK, weights_TK = residuals
+    T, K = weights_TK.shape
+    D = g_TD.shape[1]
+    runs = _gather.Runs(ranges, row_TK, tt)
     with jax.named_scope("moe/combine"):
         g_PX, w_P = _permute.rows_and_weights(g_TD, weights_TK, src_P)
-        dw_TK = _permute.combine_weights_grad(y_TKD, g_TD, pos_TK, src_P.shape[0])
+        dots_TK = _gather.rows_dot(y_TKCL, g_TD.reshape(T, *y_TKCL.shape[1:]), K,
+                                   interpret=p.interpret, vmem_limit=p.vmem_limit)
+        dw_TK = jnp.where((row_TK[:T * K] >= 0).reshape(T, K), dots_TK, 0)
     with jax.named_scope("moe/experts"):
-        grads = _swiglu_grads(p, swiglu_res, g_PX, w_P[:, None])
-    return (*grads, np.zeros(pos_TK.shape, jax.dtypes.float0),
-            np.zeros(src_P.shape, jax.dtypes.float0), dw_TK.astype(weights_TK.dtype))
+        dx_PCL, dwi_0, dwi_1, dwo, *zeros = _swiglu_grads(p, swiglu_res, g_PX, w_P[:, None],
+                                                          lanes=_gather.lanes(D))
+    with jax.named_scope("moe/sort"):
+        dx_TD = _gather.gather_sum(dx_PCL, runs, None, T, K, with_rows=False,
+                                   interpret=p.interpret,
+                                   vmem_limit=p.vmem_limit).reshape(T, D)
+    ints = (swiglu_res[7], swiglu_res[8], src_P, ranges, row_TK)
+    return (dx_TD, dwi_0, dwi_1, dwo, *(np.zeros(a.shape, jax.dtypes.float0) for a in ints),
+            dw_TK.astype(weights_TK.dtype))
 
 
-_swiglu_combine.defvjp(_swiglu_combine_fwd, _swiglu_combine_bwd)
+_experts_vjp.defvjp(_experts_fwd, _experts_bwd)

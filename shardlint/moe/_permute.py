@@ -14,9 +14,10 @@ here the backward pass is the gather by the inverse indices (a row that feeds K 
 sums the K gathered rows). Indices out of range read zeros. Rows are gathered in their
 own dtype; the float32 sums and the masks of out-of-range indices come after.
 
-`combine` is the unsort and the weighted sum of each token's K rows in one gather;
-`combine_weights_grad` and `rows_and_weights` are the pieces of its backward pass, which
-`_gmm.tiled_swiglu_combine` owns (it scales the rows of g inside the kernels).
+`combine` is the unsort and the weighted sum of each token's K rows in one gather (the
+reference the tests hold the layer's path to; that path reads the rows back with
+`_gather` inside `_gmm.tiled_experts`, whose backward pass gathers the rows of g to the
+slots with their weights by `rows_and_weights`).
 """
 
 from __future__ import annotations
@@ -106,7 +107,7 @@ def permute_rows(x_ND: jax.Array, idx_P: jax.Array, inverse_NR: jax.Array) -> ja
 
 @jax.custom_vjp
 def _permute_rows(x_ND: jax.Array, idx_P: jax.Array, inverse_NR: jax.Array) -> jax.Array:
-    return _take_or_zero(x_ND, idx_P)
+    return take_or_zero(x_ND, idx_P)
 
 
 def _rows(x: jax.Array, idx: jax.Array) -> jax.Array:
@@ -115,7 +116,7 @@ def _rows(x: jax.Array, idx: jax.Array) -> jax.Array:
     return jnp.take(x, idx, axis=0, mode="clip")
 
 
-def _take_or_zero(x_ND: jax.Array, idx: jax.Array) -> jax.Array:
+def take_or_zero(x_ND: jax.Array, idx: jax.Array) -> jax.Array:
     """x_ND[idx] with zero rows where idx is out of range: a gather from x_ND and one zero
     row. `jnp.take(mode="fill")` masks the gathered rows instead, a pass over all of them
     (1.02 ms of RoutedMoE's step on a v5e, `benchmarks/tpu_moe_profile.py`); the copy of
@@ -126,7 +127,7 @@ def _take_or_zero(x_ND: jax.Array, idx: jax.Array) -> jax.Array:
 
 
 def _permute_rows_fwd(x_ND, idx_P, inverse_NR):
-    return _take_or_zero(x_ND, idx_P), (idx_P, inverse_NR)
+    return take_or_zero(x_ND, idx_P), (idx_P, inverse_NR)
 
 
 def _permute_rows_bwd(residuals, g_PD):
@@ -145,29 +146,16 @@ def _permute_rows_bwd(residuals, g_PD):
 _permute_rows.defvjp(_permute_rows_fwd, _permute_rows_bwd)
 
 
-def combine(y_PD: jax.Array, pos_TK: jax.Array,
-            weights_TK: jax.Array) -> tuple[jax.Array, jax.Array]:
+def combine(y_PD: jax.Array, pos_TK: jax.Array, weights_TK: jax.Array) -> jax.Array:
     """y_TD[t] = sum over k of weights_TK[t, k] * y_PD[pos_TK[t, k]], summed in float32,
     in y's dtype (a choice whose pos is out of range adds nothing): the unsort and the
-    combine in one gather. Also returns the gathered rows, y_TKD (unmasked: a row whose pos
-    is out of range holds what the clamped index read), from which the weights' gradient
-    comes (`combine_weights_grad`) with no second gather out of y's P slots (XLA:TPU
-    gathers rows out of them 4x slower than out of T tokens: 2.25 ms against 0.52 ms in
-    RoutedMoE's step on a v5e, `benchmarks/tpu_moe_profile.py`); they have fewer rows
-    than y_PD, which need not be kept."""
+    combine in one gather, differentiated by JAX. The layer's Pallas path reads the rows
+    back with `_gather.gather_sum` instead (`_gmm.tiled_experts`); tests compare the two."""
     T, K = pos_TK.shape
     y_TKD = _rows(y_PD, pos_TK.reshape(T * K)).reshape(T, K, -1)
     y32_TKD = jnp.where(_in_range(pos_TK, y_PD.shape[0])[..., None],
                         y_TKD.astype(jnp.float32), 0)
-    return jnp.sum(y32_TKD * weights_TK[:, :, None], axis=1).astype(y_PD.dtype), y_TKD
-
-
-def combine_weights_grad(y_TKD: jax.Array, g_TD: jax.Array, pos_TK: jax.Array,
-                         rows: int) -> jax.Array:
-    """The gradient of `combine`'s weights for output cotangent g_TD: y_TKD[t, k] . g[t]
-    in float32 (zero for a choice whose pos is out of `rows`)."""
-    dw_TKD = y_TKD.astype(jnp.float32) * g_TD.astype(jnp.float32)[:, None, :]
-    return jnp.sum(jnp.where(_in_range(pos_TK, rows)[..., None], dw_TKD, 0), axis=-1)
+    return jnp.sum(y32_TKD * weights_TK[:, :, None], axis=1).astype(y_PD.dtype)
 
 
 def rows_and_weights(g_TD: jax.Array, weights_TK: jax.Array,

@@ -48,7 +48,7 @@ from .._token_axes import TokenAxes, as_axes
 from ._axes import MoeShardingError, check_layout, infer_token_axes, static_problems
 from ._config import MoeConfig
 from ._experts import (Params, batched_swiglu, combine_rows, dense_combine, dense_dispatch,
-                       grouped_swiglu, init_moe_params, moe_tokens)
+                       grouped_swiglu, init_moe_params, moe_tokens, sparse_experts)
 from ._ring import IN_PLACE, WeightSlices
 from ._routing import route
 
@@ -287,9 +287,8 @@ class ShardedRoutedMoE:
                                    slices=self.weight_slices)
             combine_TLC = jax.lax.dynamic_slice_in_dim(combine_TEC, first, E_loc, axis=1)
             return dense_combine(y_LCD, combine_TLC)
-        local_M = experts_TK.reshape(T * K) - first
-        local_M = jnp.where((local_M >= 0) & (local_M < E_loc), local_M, E_loc)
-        y_MD = grouped_swiglu(x_TD, local_M, E_loc, params["wi_0"], params["wi_1"],
-                              params["wo"], source_M=jnp.arange(T * K) // K,
+        local_TK = experts_TK - first
+        local_TK = jnp.where((local_TK >= 0) & (local_TK < E_loc), local_TK, E_loc)
+        # a choice of another device's expert: group E_loc, no slot, adds nothing
+        return sparse_experts(x_TD, weights_TK, local_TK, params, E_loc,
                               slices=self.weight_slices)
-        return combine_rows(y_MD, weights_TK)

@@ -18,7 +18,7 @@ import pytest
 
 import pallas_paths
 from shardlint import moe
-from shardlint.moe import _experts, _gmm, _gmm_plan, _permute
+from shardlint.moe import _experts, _gather, _gmm, _gmm_plan, _permute
 
 
 def _groups(seed: int, M: int, G: int, padding: bool) -> jax.Array:
@@ -106,31 +106,61 @@ def test_kernels_with_blocks_split_along_k_and_n(moe_testlib):
     moe_testlib.assert_tree_close(dw, dw_ref, rtol=1e-4, atol=1e-3)
 
 
-def test_swiglu_and_combine_as_one_vjp_equal_the_two_apart(moe_testlib):
-    """`tiled_swiglu_combine` (the combine's backward scaling g's rows inside the kernels)
-    equals `tiled_swiglu` followed by `_permute.combine`, differentiated by JAX, in the
-    output and in the gradients of x, every weight and the combine weights."""
+@pytest.mark.parametrize("padding", [False, True])
+def test_sort_swiglu_and_combine_as_one_vjp_equal_the_three_apart(moe_testlib, padding):
+    """`tiled_experts` (rows back out of the slots by `_gather.gather_sum`, written as
+    [P, D / L, L]; the combine's backward scaling g's rows inside the kernels) equals
+    `_permute.permute_rows`, `tiled_swiglu` and `_permute.combine` differentiated by JAX,
+    in the output and in the gradients of x, every weight and the combine weights; with
+    `padding`, some choices have no slot (expert parallelism's padding rows)."""
     x, w, _, G, K, _ = _swiglu_case()
     T = x.shape[0]
-    group_M = _groups(7, T * K, G, padding=False)
+    group_M = _groups(7, T * K, G, padding=padding)
     p = _gmm_plan.Plan(8, interpret=True)
     lay = _permute.padded_layout(group_M, G, p.tm)
     pos_TK, meta = lay.pos_M.reshape(T, K), (lay.tile_group_I, lay.num_tiles)
-    x_PD = _permute.permute_rows(x, lay.src_P // K, pos_TK)
+    runs = _gather.runs(pos_TK, group_M.reshape(T, K), G, 8)
+    assert runs.row_TK.shape[0] // (runs.tt * K) == 3   # three token tiles
     weights_TK = jax.nn.softmax(jax.random.normal(jax.random.key(8), (T, K)))
     ct = jax.random.normal(jax.random.key(9), (T, x.shape[1]))
 
-    def one_vjp(x_PD, w, weights_TK):
-        return _gmm.tiled_swiglu_combine(x_PD, *w, *meta, pos_TK, lay.src_P, weights_TK, p)
+    def one_vjp(x, w, weights_TK):
+        return _gmm.tiled_experts(x, *w, lay, runs, weights_TK, p)
 
-    def apart(x_PD, w, weights_TK):
-        return _permute.combine(_gmm.tiled_swiglu(x_PD, *w, *meta, p), pos_TK, weights_TK)[0]
+    def apart(x, w, weights_TK):
+        x_PD = _permute.permute_rows(x, lay.src_P // K, pos_TK)
+        return _permute.combine(_gmm.tiled_swiglu(x_PD, *w, *meta, p), pos_TK, weights_TK)
 
-    (y, back), (y_want, back_want) = (jax.vjp(f, x_PD, w, weights_TK) for f in (one_vjp, apart))
-    (dx, *rest), (dx_want, *rest_want) = back(ct), back_want(ct)
-    used = np.asarray(lay.src_P) < T * K   # padding slots' gradients are never read
-    moe_testlib.assert_tree_close((y, np.asarray(dx)[used], rest),
-                                  (y_want, np.asarray(dx_want)[used], rest_want))
+    (y, back), (y_want, back_want) = (jax.vjp(f, x, w, weights_TK) for f in (one_vjp, apart))
+    moe_testlib.assert_tree_close((y, back(ct)), (y_want, back_want(ct)))
+
+
+def test_gather_sum_reads_runs_of_any_length(moe_testlib):
+    """`_gather.gather_sum` against a gather and a sum, with runs of slots from none to
+    more than two copies of 16 rows (then copies of 8, 4, 2, 1), tokens not a whole number
+    of tiles, some choices with no slot, and a table of [P, C, L] rows."""
+    T, K, G, C, L = 40, 3, 4, 2, 8
+    group_TK = jnp.asarray(np.random.default_rng(0).choice(G + 1, (T, K), p=[0.8, 0.1, 0.05,
+                                                                           0.0, 0.05]))
+    lay = _permute.padded_layout(group_TK.reshape(T * K), G, 4)
+    pos_TK = lay.pos_M.reshape(T, K)
+    table = jax.random.normal(jax.random.key(0), (lay.rows, C, L))
+    weights_TK = jax.random.normal(jax.random.key(1), (T, K))
+    r = _gather.runs(pos_TK, group_TK, G, 16)
+    lengths = np.asarray(r.ranges).reshape(-1, 3, G)[:, 1]
+    assert lengths.max() > 32 and (lengths == 0).any()
+    out, rows = _gather.gather_sum(table, r, weights_TK, T, K, with_rows=True, interpret=True,
+                                   vmem_limit=2 ** 26)
+    live = np.asarray(group_TK < G)
+    want_rows = np.asarray(table)[np.minimum(np.asarray(pos_TK), lay.rows - 1)]
+    want = np.sum(np.where(live[..., None, None], want_rows, 0)
+                  * np.asarray(weights_TK)[..., None, None], axis=1)
+    moe_testlib.assert_tree_close(out, want)
+    np.testing.assert_array_equal(np.asarray(rows).reshape(T, K, C, L)[live], want_rows[live])
+    unweighted = _gather.gather_sum(table, r, None, T, K, with_rows=False, interpret=True,
+                                    vmem_limit=2 ** 26)
+    moe_testlib.assert_tree_close(unweighted, np.sum(np.where(live[..., None, None],
+                                                              want_rows, 0), axis=1))
 
 
 def _layer_vjp(moe_testlib, layer, params, kernel):

@@ -24,6 +24,11 @@ from jax.sharding import PartitionSpec as P
 import pallas_paths
 from shardlint import moe
 
+# the Pallas path's kernels: the sort, SwiGLU and combine as one (`_gmm.tiled_experts`: 2
+# products and a gather forward; 5 products, a gather and a dot back), or the SwiGLU alone
+# (the all-to-all path: `grouped_swiglu`, rows back by `permute_rows`; 2 forward, 5 back)
+KERNELS = {"expert_all_to_all": 7}
+
 DP_CP = ("data", "context")
 CASES = {
     # id: (mesh shape, mesh axis names, ShardedRoutedMoE keywords)
@@ -67,13 +72,13 @@ def _inputs(lib, layer, mesh, dtype: str, emb: int | None = None):
 @pytest.mark.parametrize("case, dtype", PARAMS)
 def test_pallas_path_equals_the_xla_path(lib, case, dtype):
     """Outputs and every gradient equal; the interpret run took the Pallas path on every
-    device: no ragged_dot, and the seven kernels of a SwiGLU's forward and backward pass
-    each in a host callback."""
+    device: no ragged_dot, and the kernels of the experts' forward and backward pass
+    (`KERNELS`) each in a host callback."""
     layer, mesh = _layer(lib, case, dtype)
     params, x, r = _inputs(lib, layer, mesh, dtype)
     step = pallas_paths.traced_step(layer, "interpret", row_tile=8)
     jaxpr = jax.make_jaxpr(step)(params, x, r).jaxpr
-    assert len(pallas_paths.equations(jaxpr, "pure_callback")) == 7
+    assert len(pallas_paths.equations(jaxpr, "pure_callback")) == KERNELS.get(case, 10)
     assert not pallas_paths.equations(jaxpr, "ragged_dot")
     want = pallas_paths.layer_vjp(layer, params, x, r, "xla")
     got = pallas_paths.layer_vjp(layer, params, x, r, "interpret", row_tile=8)
@@ -82,7 +87,7 @@ def test_pallas_path_equals_the_xla_path(lib, case, dtype):
 
 def test_the_compiled_kernels_type_check_inside_shard_map(lib):
     """The TPU's program (kernels compiled, not interpreted) traces on a data x context
-    mesh: the seven pallas_calls of a SwiGLU's forward and backward pass, each stating
+    mesh: the ten pallas_calls of the experts' forward and backward pass, each stating
     outputs that vary over both axes as its rows do. D and F tile by 128, as the compiled
     kernels need (tests/tpu compiles it for a TPU)."""
     layer, mesh = _layer(lib, "data_context", "bfloat16", emb_dim=128, mlp_dim=128)
@@ -91,7 +96,8 @@ def test_the_compiled_kernels_type_check_inside_shard_map(lib):
     calls = pallas_paths.equations(jaxpr, "pallas_call")
     assert sorted(eqn.params["name"] for eqn in calls) == sorted(
         ["shardlint_gmm_up", "shardlint_gmm", "shardlint_gmm_down_grad",
-         "shardlint_gmm_up_grad"] + ["shardlint_tgmm"] * 3)
+         "shardlint_gmm_up_grad", "shardlint_rows_dot"] + ["shardlint_tgmm"] * 3
+        + ["shardlint_gather_sum"] * 2)
     assert {frozenset(v.aval.manual_axis_type.varying) for eqn in calls
             for v in eqn.outvars} == {frozenset(DP_CP)}
     assert not pallas_paths.equations(jaxpr, "ragged_dot")
