@@ -94,9 +94,10 @@ class _Inliner:
             env.update(zip(eqn.outvars, outs))
             copies.update((v, c) for v, c in zip(eqn.outvars, out_copies) if c)
         outs = [read(env, v) for v in jaxpr.outvars]
+        held = [None if _jax.is_literal(v) else copies.get(v) for v in jaxpr.outvars]
         if top:
-            return [_tiled(x, copies.get(v)) for v, x in zip(jaxpr.outvars, outs)], {}
-        return outs, {k: copies[v] for k, v in enumerate(jaxpr.outvars) if not _jax.is_literal(v) and v in copies}
+            return [_tiled(x, c) for x, c in zip(outs, held)], {}
+        return outs, {k: c for k, c in enumerate(held) if c}
 
     def bind(self, eqn, invals: list, copies: list) -> tuple[list, list]:
         if _may_inline(eqn):

@@ -69,3 +69,15 @@ def test_a_shard_map_that_differs_per_device_stays(spec, body, mesh):
     mapped = functools.partial(jax.shard_map, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False)(body)
     closed = jax.make_jaxpr(mapped)(jnp.ones((8, 4)))
     assert _shard_maps(inline_same_on_every_device(closed)) == 1
+
+
+def test_a_step_that_returns_a_constant_beside_them(mesh):
+    """A jaxpr's outputs may be literals (a constant the step returns), which hold no copy."""
+    mapped = functools.partial(jax.shard_map, mesh=mesh, in_specs=P(), out_specs=P(), check_vma=False)(
+        lambda x: jax.lax.top_k(x, 2)[0])
+    closed = jax.make_jaxpr(lambda x: (mapped(x), 1.0))(jnp.arange(32.0).reshape(8, 4))
+    inlined = inline_same_on_every_device(closed)
+    assert _shard_maps(inlined) == 0
+    x = jnp.arange(32.0).reshape(8, 4)
+    for want, got in zip(replay(closed, [x]), replay(inlined, [x])):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
