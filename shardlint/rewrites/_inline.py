@@ -46,8 +46,8 @@ def inline_same_on_every_device(closed):
     """`closed` (a ClosedJaxpr, traced in the mesh context in effect) with each shard_map in
     which every device computes the same thing replaced by its body, in the bodies of the
     calls and loops that hold one too; `closed` itself where there is none."""
-    if not any(_may_inline(e) for e in _jax.equations(closed.jaxpr)):
-        return closed
+    if not any(_may_inline(e) and _takes_whole_operands(e) for e in _jax.equations(closed.jaxpr)):
+        return closed   # copies come only from such a one: none is inlined
     inliner = _Inliner()
     avals = [_struct(np.shape(v.aval), v.aval) for v in closed.jaxpr.invars]
     return jax.make_jaxpr(lambda *xs: inliner.run(closed.jaxpr, closed.consts, xs, {}, top=True)[0])(*avals)
@@ -59,6 +59,12 @@ def _may_inline(eqn) -> bool:
         return False
     return all(e.primitive.name in _SUMS | _UNCHANGED or not _axes_named(e)
                for e in _jax.equations(eqn.params["jaxpr"]))
+
+
+def _takes_whole_operands(eqn) -> bool:
+    """A shard_map whose in_specs split no operand."""
+    sizes = eqn.params["mesh"].shape
+    return not any(_splits(spec, len(a.aval.shape), sizes) for a, spec in zip(eqn.invars, eqn.params["in_specs"]))
 
 
 def _axes_named(eqn) -> tuple:
