@@ -187,17 +187,3 @@ def _is_linear(var, eqns, producer, mine, scaled, depth, arriving=frozenset()) -
         return _is_linear(inner, body.eqns, inner_producer, set(range(len(body.eqns))), scaled, depth + 1,
                           frozenset(inner_arriving))
     return False
-    eqn = eqns[p]
-    name = eqn.primitive.name
-    ins = [a for a in eqn.invars if not _jax.is_literal(a)]
-    region_ins = [v for v in ins if producer.get(v) in mine]
-    if name in _TOKEN_REDUCTIONS and any(v in scaled for v in region_ins):
-        return True
-    if name in _LINEAR_SUMS:
-        return len(region_ins) == len(ins) and all(
-            _is_linear(v, eqns, producer, mine, scaled, depth + 1) for v in region_ins)
-    if name in _LINEAR_UNARY and len(region_ins) == 1:
-        return _is_linear(region_ins[0], eqns, producer, mine, scaled, depth + 1)
-    if name == "div" and region_ins == ins[:1]:
-        return _is_linear(region_ins[0], eqns, producer, mine, scaled, depth + 1)
-    return False
