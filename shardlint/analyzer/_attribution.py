@@ -12,6 +12,7 @@ caused is attributed to the finding's op: its line, stack and op path.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 
 from .._vocab import CollectiveKind
@@ -49,8 +50,9 @@ def link(graph, drops: list[Drop], mesh: MeshInfo, collectives) -> dict[str, set
     """Which all-gathers each finding caused; each all-gather is one finding's at most.
 
     A finding may claim an all-gather that XLA labelled with its op (the same op path and
-    line), or one over a lost axis whose per-device result is the operand with that axis
-    gathered and that is labelled or read next to the op: an op within two edges of it in
+    line), or one over a lost axis whose per-device result is the operand with some of the
+    lost axes gathered (XLA may gather one axis at a time: the sequence, then the batch)
+    and that is labelled or read next to the op: an op within two edges of it in
     the propagated graph, by line and op path (layers of one Python loop share lines, not
     their named scopes). Of several findings that fit, the one XLA labelled wins, then the
     one the gather's reader sits at or after, then the one in the same direction (forward
@@ -58,7 +60,7 @@ def link(graph, drops: list[Drop], mesh: MeshInfo, collectives) -> dict[str, set
     reader's; findings that fit alike (identical layers) share the gathers out in turn.
     """
     links: dict[str, set[str]] = {d.node: set() for d in drops}
-    wanted = {d.node: _gathered_shape(graph, d.operand, d.element, d.lost, mesh) for d in drops}
+    wanted = {d.node: _gathered_shapes(graph, d.operand, d.element, d.lost, mesh) for d in drops}
     near = {d.node: _keys(graph, around(graph, d.node, 2)) for d in drops}
     after = {d.node: _keys(graph, _downstream(graph, d.node, 3)) for d in drops}
     order = {d.node: i for i, d in enumerate(drops)}
@@ -68,7 +70,7 @@ def link(graph, drops: list[Drop], mesh: MeshInfo, collectives) -> dict[str, set
         label = _keys_of(c.xla_source, c.xla_op_path)
         reader = _keys_of(c.source, c.op_path)
         fits = [d.node for d in drops if _labelled_at(graph, d.node, c) or (
-            set(c.axes) & set(d.lost) and c.shape == wanted[d.node]
+            set(c.axes) & set(d.lost) and _dims(c.shape) in wanted[d.node]
             and (c.xla_source is None or label & near[d.node] or reader & near[d.node]))]
         if not fits:
             continue
@@ -113,6 +115,11 @@ def _downstream(graph, node, radius: int) -> set[str]:
     return seen
 
 
+def _dims(shape: str) -> str:
+    """`[2,64,16]` of `f32[2,64,16]`."""
+    return shape[shape.find("["):]
+
+
 def _common_prefix(a: str, b: str) -> int:
     """How many leading '/' parts two op paths share."""
     n = 0
@@ -123,13 +130,18 @@ def _common_prefix(a: str, b: str) -> int:
     return n
 
 
-def _gathered_shape(graph, operand, element, lost, mesh: MeshInfo) -> str:
-    """The per-device operand with the lost axes gathered, e.g. `f32[2,64,16]`."""
+def _gathered_shapes(graph, operand, element, lost, mesh: MeshInfo) -> set[str]:
+    """The per-device dimensions of the operand with some of the lost axes gathered, one
+    for each non-empty subset of them, e.g. `[2,64,16]`. Without the element type: XLA
+    may gather a value before the convert that made the operand (bf16 layers on an f32
+    residual stream)."""
     before = sharding_of(graph, operand, element)
     dims = dims_of(graph, operand, element)
     sizes = mesh.as_dict()
-    expected = tuple(
-        d // math.prod(sizes.get(a, 1) for a in axes if a not in lost)
-        for d, axes in zip(dims, before.dims + ((),) * (len(dims) - len(before.dims))))
-    dtype = node_of(graph, operand).result[element].dtype
-    return f"{dtype}[{','.join(map(str, expected))}]"
+    shapes = set()
+    for n in range(1, len(lost) + 1):
+        for gathered in itertools.combinations(lost, n):
+            kept = tuple(d // math.prod(sizes.get(a, 1) for a in axes if a not in gathered)
+                         for d, axes in zip(dims, before.dims + ((),) * (len(dims) - len(before.dims))))
+            shapes.add(f"[{','.join(map(str, kept))}]")
+    return shapes
