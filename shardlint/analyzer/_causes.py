@@ -58,6 +58,7 @@ class _Ask:
     requested: Requested
     stacks: frozenset            # the ask's own stack and those of the ops right next to it
     listed_when_used: bool = False   # listed only when it explains a collective
+    requested_shape: tuple[int, ...] = ()   # the global shape of the value asked for, if known
 
 
 def explain(collectives: tuple[Collective, ...], module: HloModule, flow: Provenance,
@@ -72,7 +73,7 @@ def explain(collectives: tuple[Collective, ...], module: HloModule, flow: Proven
     for c in collectives:
         instr = by_name.get(c.id)
         own = stack_key(user_stack(instr.stack)) if instr is not None else ()
-        cause, ask = _cause(c, flow.is_weight(c.id), own, dropped_by, asks)
+        cause, ask = _cause(c, flow.is_weight(c.id), own, dropped_by, asks, _gathered_lengths(instr))
         if ask is not None:
             used_asks.add(ask)
         explained.append(dataclasses.replace(c, cause=cause))
@@ -97,7 +98,8 @@ def with_gathered_tokens(flow: Provenance, collectives: tuple[Collective, ...]) 
     return flow
 
 
-def _cause(c: Collective, weight: bool, own: tuple, dropped_by, asks) -> tuple[str, _Ask | None]:
+def _cause(c: Collective, weight: bool, own: tuple, dropped_by, asks,
+           gathered: frozenset[int] = frozenset()) -> tuple[str, _Ask | None]:
     if c.kind in _REDUCTIONS:
         return Cause.REDUCTION, None
     if c.id in dropped_by:
@@ -109,11 +111,31 @@ def _cause(c: Collective, weight: bool, own: tuple, dropped_by, asks) -> tuple[s
         return asked_kind, None
     consumer = stack_key(c.stack)
     for ask in asks:
-        if set(c.axes) & set(ask.requested.axes) and (own in ask.stacks or consumer in ask.stacks):
+        if (set(c.axes) & set(ask.requested.axes) and (own in ask.stacks or consumer in ask.stacks)
+                and _may_have_asked(ask, gathered)):
             return asked_kind, ask
     if c.kind == CollectiveKind.COLLECTIVE_PERMUTE:
         return Cause.LAYOUT, None
     return Cause.LOST, None
+
+
+def _gathered_lengths(instr) -> frozenset[int]:
+    """The lengths of the dimensions an all-gather gathers, in its per-device result."""
+    if instr is None or instr.opcode not in ("all-gather", "all-gather-start") or not instr.result:
+        return frozenset()
+    dims = instr.result[-1].dims
+    return frozenset(dims[d] for d in instr.dimensions or () if d < len(dims))
+
+
+def _may_have_asked(ask: _Ask, gathered: frozenset[int]) -> bool:
+    """An ask read from the lowered program (only matched by the stacks near it) asks for a
+    gather only of a dimension its value has: one of the gathered lengths is one of its
+    dimensions. A sharding asked of a layer's expert activations `[1024, 96]` asks for no
+    gather of the sequence (128) that a stack shared through a scanned layer's weight
+    slice put near it. A constraint the propagated module shows dropping an axis is matched
+    by its stacks alone."""
+    shape = ask.requested_shape
+    return not (ask.listed_when_used and shape and gathered) or bool(gathered & set(shape))
 
 
 def _stack_index(graph: nx.DiGraph) -> dict[tuple, list[str]]:
@@ -148,7 +170,8 @@ def _asks(requested, asked, graph, stacks, mesh_axes) -> list[_Ask]:
         stack = user_sources(tuple(Source(f, n) for f, n in a.stack))
         r = Requested(op=_ASK_OPS.get(a.op, a.op), axes=left_out, source=stack[0] if stack else None,
                       op_path=a.op, stack=stack, asked=a.dims)
-        asks.append(_Ask(r, _nearby(stack_key(stack), graph, stacks), listed_when_used=True))
+        asks.append(_Ask(r, _nearby(stack_key(stack), graph, stacks), listed_when_used=True,
+                         requested_shape=a.shape))
     return asks
 
 
