@@ -17,7 +17,7 @@ from __future__ import annotations
 from .._vocab import CollectiveKind
 from ._hlo import HloModule, Instruction
 from .._op_paths import is_backward, primitive_of, transform_of
-from .._ops import NEEDS_WHOLE
+from .._ops import JAXPR_LAYOUT, NEEDS_WHOLE
 from .._source import user_stack
 
 _PASS_THROUGH = {"get-tuple-element", "bitcast", "copy", "tuple", "reshape", "transpose",
@@ -67,12 +67,14 @@ def _needed_by(instr: Instruction, consumer: Instruction | None, names_producer:
     partitioning (JAX 0.10) and that op needs a whole dimension, else the op reading the
     result when that one does, else XLA's label (gathers placed where a value is made, for
     an op further on). Where the label names the op that made the moved value (JAX 0.12
-    labels a collective so), the reader it is for."""
+    labels a collective so), or an op that only re-lays a value (a transpose, a squeeze,
+    a convert: the partitioner splits those any way), the reader it is for."""
     own = primitive_of(instr.op_name)
     if consumer is None:
         return own
     theirs = primitive_of(consumer.op_name)
-    return theirs if theirs in NEEDS_WHOLE or not own or (names_producer and theirs) else own
+    relays = own in JAXPR_LAYOUT and own not in NEEDS_WHOLE
+    return theirs if theirs in NEEDS_WHOLE or not own or ((names_producer or relays) and theirs) else own
 
 
 def _users(module: HloModule) -> dict[str, list[Instruction]]:
@@ -188,28 +190,47 @@ def _op_needing_whole(instr: Instruction, via: str, module: HloModule, users) ->
     fusion's parameters bound to it), when that op needs a whole dimension. Ops inside the
     fusion that `via` does not reach do not count: XLA shares one constant across the
     module under the metadata of the first op that made it (a scatter-add's zeros inside
-    an attention fusion)."""
-    if _needs_whole(instr):
-        return instr
+    an attention fusion). A fusion labelled with an op that needs a whole dimension needs
+    it unless the value reaches that op only as an update it stores whole (`_stores_whole`)."""
     if instr.opcode != "fusion":
-        return None
+        return instr if _needs_whole(instr, via, module) else None
     bound = {k for k, name in enumerate(instr.operands) if name == via}
+    stored = False
     for callee in instr.called:
         comp = module.computations.get(callee)
         if comp is None:
             continue
-        reached = [i for i in comp.instructions if i.opcode == "parameter" and i.parameter_number in bound]
-        seen = {i.name for i in reached}
+        reached = [(i, None) for i in comp.instructions if i.opcode == "parameter" and i.parameter_number in bound]
+        seen = {i.name for i, _ in reached}
         while reached:
-            inner = reached.pop()
-            if _needs_whole(inner):
-                return inner
+            inner, read = reached.pop()
+            if read is not None and _needs_whole(inner):
+                if not _stores_whole(inner, read, module):
+                    return inner
+                stored = True
             for user in users.get(inner.name, ()):
                 if user.computation == comp.name and user.name not in seen:
                     seen.add(user.name)
-                    reached.append(user)
-    return None
+                    reached.append((user, inner.name))
+    return instr if _needs_whole(instr) and not stored else None
 
 
-def _needs_whole(instr: Instruction) -> bool:
-    return primitive_of(instr.op_name) in NEEDS_WHOLE and instr.opcode not in _PASS_THROUGH
+def _needs_whole(instr: Instruction, via: str | None = None, module: HloModule | None = None) -> bool:
+    """The op needs a whole dimension of what it reads (of the value `via`, when given)."""
+    return (primitive_of(instr.op_name) in NEEDS_WHOLE and instr.opcode not in _PASS_THROUGH
+            and not (via is not None and _stores_whole(instr, via, module)))
+
+
+def _stores_whole(instr: Instruction, via: str | None, module: HloModule) -> bool:
+    """A dynamic-update-slice that writes the value `via` as its update, as long as the
+    buffer along every dimension but ones of length 1 (a scan stacking a layer's value for
+    the backward, at the layer's index): it writes the value's shards where they are and
+    needs none of its dimensions whole."""
+    if instr.opcode != "dynamic-update-slice" or len(instr.operands) < 2 or instr.operands[1] != via:
+        return False
+    comp = module.computations.get(instr.computation)
+    update = comp.get(via) if comp is not None else None
+    if update is None or not update.result or not instr.result:
+        return False
+    rows, buffer = update.result[0].dims, instr.result[0].dims
+    return len(rows) == len(buffer) and all(u in (b, 1) for u, b in zip(rows, buffer))
