@@ -116,12 +116,23 @@ def test_shardlint_puts_the_routers_gathers_over_the_batch_on_top_k(model_parall
     assert tokens and all(c.cause == "lost" for c in tokens), tokens
 
 
-@pytest.mark.xfail(jax.__version_info__ >= (0, 12), strict=True, reason=(
-    "issue 41, item 4 (JAX 0.12; with JAX 0.10.2 each is linked): findings with no collective linked ('top_k drops model ... costs: no "
-    "collective linked', at qwen3_moe_decoder.py:37 and :336)"))
-def test_every_finding_is_linked_to_a_collective(model_parallel):
+def test_every_finding_of_a_lost_sharding_is_linked_to_a_collective(model_parallel):
+    """Every drop and every op the partitioner could not split names the gathers it costs:
+    with JAX 0.12 the router's probabilities are gathered for top_k over `model`, then over
+    `batch`, and each gather is a top_k finding's (once, 'top_k drops model' claimed none)."""
     _, _, analysis = model_parallel
-    assert [f"{f.source} {f.op}" for f in analysis.findings if not f.collectives] == []
+    lost = [f for f in analysis.findings if f.kind != "full-rematerialization"]
+    assert lost and [f"{f.source} {f.op}" for f in lost if not f.collectives] == []
+
+
+@pytest.mark.xfail(jax.__version_info__ >= (0, 12), strict=True, reason=(
+    "issue 41, item 4 (JAX 0.12; JAX 0.10.2 logs none here): XLA's 'involuntary full rematerialization' "
+    "messages become findings with no collective linked, one of them with no line (fake_parameter.2); "
+    "the gathers they cost are claimed by the partitioner's finding at the same op"))
+def test_every_rematerialization_finding_is_linked_to_a_collective(model_parallel):
+    _, _, analysis = model_parallel
+    remats = [f for f in analysis.findings if f.kind == "full-rematerialization"]
+    assert [f"{f.source} {f.op}" for f in remats if not f.collectives or f.source is None] == []
 
 
 def test_rewrite_routes_each_batch_shards_tokens_with_the_same_numbers(model_parallel):
