@@ -128,7 +128,7 @@ def test_every_finding_of_a_lost_sharding_is_linked_to_a_collective(model_parall
 @pytest.mark.xfail(jax.__version_info__ >= (0, 12), strict=True, reason=(
     "issue 41, item 4 (JAX 0.12; JAX 0.10.2 logs none here): XLA's 'involuntary full rematerialization' "
     "messages become findings with no collective linked, one of them with no line (fake_parameter.2); "
-    "the gathers they cost are claimed by the partitioner's finding at the same op"))
+    "the layer norm's gather (qwen3_moe_layernorm.py:40) is claimed by the partitioner's finding at that op"))
 def test_every_rematerialization_finding_is_linked_to_a_collective(model_parallel):
     _, _, analysis = model_parallel
     remats = [f for f in analysis.findings if f.kind == "full-rematerialization"]
