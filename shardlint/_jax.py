@@ -117,6 +117,13 @@ def is_literal(atom) -> bool:
     return isinstance(atom, core.Literal)
 
 
+def struct_of(aval, shape=None) -> jax.ShapeDtypeStruct:
+    """An abstract value to trace with, weak type kept (a Python scalar's stays weak), at
+    `shape` when given (one shard's, or a scan body's slice of a stacked value)."""
+    return jax.ShapeDtypeStruct(tuple(aval.shape if shape is None else shape), aval.dtype,
+                                weak_type=getattr(aval, "weak_type", False))
+
+
 def equations(jaxpr):
     """Every equation of an open jaxpr, and of the jaxprs its equations hold (calls, loop and
     branch bodies, shard_maps), at any depth."""

@@ -88,8 +88,7 @@ class ShardBinder:
         """A call entered on the shard-sized operands; a scan bound again with its body so."""
         if not sub.stacks:
             return self.run(sub.jaxpr, sub.consts, invals)
-        avals = [jax.ShapeDtypeStruct(np.shape(x)[1:] if k >= sub.sliced_from else np.shape(x),
-                                      inner.aval.dtype, weak_type=getattr(inner.aval, "weak_type", False))
+        avals = [_jax.struct_of(inner.aval, np.shape(x)[1:] if k >= sub.sliced_from else np.shape(x))
                  for k, (x, inner) in enumerate(zip(invals, sub.jaxpr.invars))]
         key = (id(sub.jaxpr), tuple((a.shape, a.dtype, a.weak_type) for a in avals))
         if key not in self.bodies:   # a body JAX shares between calls stays shared

@@ -86,7 +86,7 @@ class _Emitter:
         value per shard (a shard's shape: a per-shard capacity's slots have no global form)."""
         shape = ((self.shards,) + tuple(self.plan.traces.local.shapes.get(var, var.aval.shape))
                  if stacked else var.aval.shape)
-        return jax.ShapeDtypeStruct(shape, var.aval.dtype, weak_type=getattr(var.aval, "weak_type", False))
+        return _jax.struct_of(var.aval, shape)
 
     def _group(self, grp: Group, level: Level, env, stacked) -> None:
         plan, token_axes = self.plan, self.token_axes

@@ -49,7 +49,7 @@ def inline_same_on_every_device(closed):
     if not any(_may_inline(e) and _takes_whole_operands(e) for e in _jax.equations(closed.jaxpr)):
         return closed   # copies come only from such a one: none is inlined
     inliner = _Inliner()
-    avals = [_struct(np.shape(v.aval), v.aval) for v in closed.jaxpr.invars]
+    avals = [_jax.struct_of(v.aval) for v in closed.jaxpr.invars]
     return jax.make_jaxpr(lambda *xs: inliner.run(closed.jaxpr, closed.consts, xs, {}, top=True)[0])(*avals)
 
 
@@ -139,7 +139,7 @@ class _Inliner:
                 invals[k], copies[k] = _tiled(invals[k], c), None
             else:
                 inner_copies[inner] = {d - 1: n for d, n in c.items()} if sliced(k) else c
-        avals = [_struct(np.shape(x)[1:] if sliced(k) else np.shape(x), inner.aval)
+        avals = [_jax.struct_of(inner.aval, np.shape(x)[1:] if sliced(k) else np.shape(x))
                  for k, (x, inner) in enumerate(zip(invals, sub.jaxpr.invars))]
         found: dict = {}
 
@@ -185,5 +185,3 @@ def _tiled(x, copies):
     return jnp.tile(x, [copies.get(d, 1) for d in range(np.ndim(x))])
 
 
-def _struct(shape, aval) -> jax.ShapeDtypeStruct:
-    return jax.ShapeDtypeStruct(tuple(shape), aval.dtype, weak_type=getattr(aval, "weak_type", False))

@@ -13,6 +13,7 @@ from typing import Callable
 
 import jax
 
+from .. import _jax
 from .._wrapped import unwrap
 from ._subjaxprs import bind_with
 
@@ -53,8 +54,7 @@ def _in_own_jit(run_flat, jit_eqn, args):
     """`run_flat` bound inside the pre-jitted step's own jit equation (its in/out
     shardings), and the arguments it donates (those whose every leaf it donates)."""
     inner = jit_eqn.params["jaxpr"].jaxpr
-    avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, weak_type=getattr(v.aval, "weak_type", False))
-             for v in inner.invars]
+    avals = [_jax.struct_of(v.aval) for v in inner.invars]
 
     def in_own_jit(*flat):
         return bind_with(jit_eqn, jax.make_jaxpr(run_flat)(*avals), list(flat))
