@@ -172,7 +172,7 @@ def reshaped(global_in, local_in, global_out, folds: dict | None = None) -> tupl
         if unfolded is not None and math.prod(unfolded) == local:
             out[j0:j] = unfolded
             continue
-        if sum(n != 1 for n in out[j0:j]) > 1:
+        if folds_several(out[j0:j]):
             guessed += tuple(range(j0, j))
         factor = size_in // local
         for d in range(j0, j):
@@ -180,6 +180,12 @@ def reshaped(global_in, local_in, global_out, folds: dict | None = None) -> tupl
             out[d] //= take
             factor //= take
     return tuple(out), guessed
+
+
+def folds_several(sizes) -> bool:
+    """A run of a reshape's dimensions holds more than one longer than 1: it folds (or
+    unfolds) dimensions, where one that only adds or drops dimensions of size 1 does not."""
+    return sum(n > 1 for n in sizes) > 1
 
 
 def folded(global_in, local_in, global_out) -> dict:

@@ -13,6 +13,7 @@ from .._token_axes import TokenAxes, as_axes
 from ..analyzer import reshape_groups
 from . import _refusals
 from ._flow import variables
+from ._shard_shapes import folds_several
 from ._subjaxprs import sub_of
 
 
@@ -57,7 +58,7 @@ def merges_seq(eqn, specs, axes: TokenAxes) -> bool:
     src = specs[eqn.invars[0]]
     shape_in, shape_out = eqn.invars[0].aval.shape, eqn.outvars[0].aval.shape
     for ins, outs in reshape_groups(shape_in, shape_out):
-        if _folded(ins, shape_in) and len(outs) == 1 and any(
+        if folds_several([shape_in[d] for d in ins]) and len(outs) == 1 and any(
                 set(axes.minor) & set(as_axes(src[d])) for d in ins if d < len(src)):
             return True
     return False
@@ -71,15 +72,10 @@ def splits_tokens(eqn, specs, axes: TokenAxes) -> bool:
     out = specs[eqn.outvars[0]]
     shape_in, shape_out = eqn.invars[0].aval.shape, eqn.outvars[0].aval.shape
     for ins, outs in reshape_groups(shape_in, shape_out):
-        if len(ins) == 1 and _folded(outs, shape_out) and any(
+        if len(ins) == 1 and folds_several([shape_out[d] for d in outs]) and any(
                 set(axes.minor) & set(as_axes(out[d])) for d in outs if d < len(out)):
             return True
     return False
-
-
-def _folded(dims, shape) -> bool:
-    """Whether a reshape's group of `dims` holds more than one that is longer than 1."""
-    return sum(shape[d] > 1 for d in dims) > 1
 
 
 # Random draws: drawn again at one shard's size, a shard would get another stream than its
