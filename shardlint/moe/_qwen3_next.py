@@ -18,7 +18,6 @@ import functools
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from . import _compat, _layout
