@@ -3,6 +3,14 @@ of the Plan (`_gmm_plan.Plan`: pow2, tgmm_chunk) and of the SwiGLU's sigmoid, on
 chip; rows routed at random (T tokens, top-K of E experts), D x F. A probe for issue 43.
 
     python benchmarks/tpu_gmm_probe.py [--experts 64 128] [--what kernels,swiglu,silu]
+        [--plans "base;pow2;pow2,c4;pow2,c4,fuse"] [--swiglu-plans ...] [--kernels up,...]
+        [--steps "RoutedMoE E=8 top-2;..." --step-variants cur,fuse]
+
+A plan is comma-separated: base (blocks of 4 tiles, a loop over a short visit's tiles),
+pow2, cN (the weight gradient's runs of N tiles from each group's first tile), fuse (the
+backward pass's dh0, dh1 and dx in one kernel); "+NAME" after a SwiGLU plan picks the
+sigmoid (cur: the library's; exp, tanh, logistic, recip; none: no sigmoid, a timing floor).
+--steps times tpu_moe.py's training-step rows with the layer's plan and with fuse forced.
 """
 
 from __future__ import annotations
@@ -19,10 +27,16 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 from shardlint.moe import _experts, _gmm, _gmm_plan, _permute  # noqa: E402
 
 PEAK = 197e12
-_EXP = _gmm._silu_parts
+_CUR = _gmm._silu_parts
+
+
+def _silu_exp(h0):
+    sig = 1.0 / (1.0 + jnp.exp(-h0))
+    return h0 * sig, sig * (1.0 + h0 * (1.0 - sig))
 
 
 def _silu_tanh(h0):
@@ -45,7 +59,7 @@ def _silu_none(h0):   # timing floor only: wrong numbers
     return h0, h0
 
 
-SILU = {"exp": _EXP, "tanh": _silu_tanh, "logistic": _silu_logistic, "recip": _silu_recip,
+SILU = {"cur": _CUR, "exp": _silu_exp, "tanh": _silu_tanh, "logistic": _silu_logistic, "recip": _silu_recip,
         "none": _silu_none}
 
 
@@ -83,6 +97,9 @@ def kernels(lay, a, p, E):
                       (a["dy"], a["wo"], a["dh0"], a["dh1"]), 1),
         "up_grad": (lambda d0, d1, w0, w1: _gmm._up_grad(d0, d1, w0, w1, tg, nt, p),
                     (a["dh0"], a["dh1"], a["wi_0"], a["wi_1"]), 2),
+        "down_up_grad": (lambda dy, w, h0, h1, w0, w1: _gmm._down_up_grad(
+            dy, w, h0, h1, w0, w1, tg, nt, p, lanes=128),
+            (a["dy"], a["wo"], a["dh0"], a["dh1"], a["wi_0"], a["wi_1"]), 3),
         "tgmm x,dh0": (lambda x, d: _gmm._tgmm(x, d, tg, nt, E, p, jnp.bfloat16), (a["x"], a["dh0"]), 1),
         "tgmm h,dy": (lambda h, d: _gmm._tgmm(h, d, tg, nt, E, p, jnp.bfloat16), (a["h"], a["dy"]), 1),
     }
@@ -104,16 +121,25 @@ def main(argv=None):
     ap.add_argument("--plans", default="base;pow2;pow2,c4;pow2,c8")
     ap.add_argument("--swiglu-plans", default=None)
     ap.add_argument("--silu", default="exp,tanh,logistic,recip,none")
+    ap.add_argument("--kernels", default=None, help="only these kernels (comma-separated)")
+    ap.add_argument("--steps", default="", help="tpu_moe.py step rows, ';'-separated")
+    ap.add_argument("--step-variants", default="cur,fuse")
     ap.add_argument("--interpret", action="store_true", help="tiny sizes, to check the script")
     args = ap.parse_args(argv)
     T, D, F = (8192, 2048, 1024) if not args.interpret else (64, 256, 128)
     what = args.what.split(",")
+    if jax.default_backend() != "tpu" and not args.interpret:
+        print(f"skip: no TPU (JAX backend is {jax.default_backend()!r}); this probe times "
+              f"the grouped-matmul kernels on a TPU chip (--interpret: tiny sizes, anywhere)")
+        return 0
 
     def plan_of(spec, tm=128):
         kw = {}
         for part in spec.split(","):
             if part == "pow2":
                 kw["pow2"] = True
+            elif part == "fuse":
+                kw["fuse_bwd"] = True
             elif part.startswith("c"):
                 kw["tgmm_chunk"] = int(part[1:])
             elif part.startswith("bm"):
@@ -131,6 +157,8 @@ def main(argv=None):
                 p = plan_of(spec)
                 for name, (f, xs, prods) in kernels(lay, a, p, E).items():
                     if "c" in spec and not name.startswith("tgmm"):
+                        continue
+                    if "fuse" in spec or (args.kernels and name not in args.kernels.split(",")):
                         continue
                     try:
                         ms = median_ms(jax.jit(f), *xs)
@@ -150,23 +178,32 @@ def main(argv=None):
                         print(f"  silu={sname:<9}{name:<12}{ms:8.3f} ms {prods * fl / ms / 1e9:7.1f} TF/s", flush=True)
                     except Exception as e:  # noqa: BLE001
                         print(f"  silu={sname:<9}{name:<12}FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
-            _gmm._silu_parts = _EXP
+            _gmm._silu_parts = _CUR
         if "swiglu" in what:
             ct = a["dy"]
             w = (a["wi_0"], a["wi_1"], a["wo"])
+            ref = None
             for spec in (args.swiglu_plans or args.plans).split(";"):
-                sname = "exp"
+                sname = "cur"
                 if "+" in spec:
                     spec, sname = spec.split("+")
                 _gmm._silu_parts = SILU[sname]
                 p = plan_of(spec)
                 try:
-                    ms = median_ms(swiglu_vjp(lay, p), w, a["x"], ct)
+                    fn = swiglu_vjp(lay, p)
+                    ms = median_ms(fn, w, a["x"], ct)
+                    out = fn(w, a["x"], ct)
+                    used = int(lay.num_tiles) * 128
+                    out = (out[0][:used], out[1][0], out[1][1][:used])
+                    ref = ref if ref is not None else out
+                    err = max(float(jnp.max(jnp.abs(u.astype(jnp.float32) - r.astype(jnp.float32)))
+                                    / jnp.max(jnp.abs(r.astype(jnp.float32))))
+                              for u, r in zip(jax.tree.leaves(out), jax.tree.leaves(ref)))
                     print(f"  swiglu fwd+bwd {spec + '+' + sname:<20}{ms:8.3f} ms "
-                          f"{3 * 3 * fl / ms / 1e9:7.1f} TF/s", flush=True)
+                          f"{3 * 3 * fl / ms / 1e9:7.1f} TF/s  (vs the first: {err:.2e})", flush=True)
                 except Exception as e:  # noqa: BLE001
                     print(f"  swiglu {spec}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
-                _gmm._silu_parts = _EXP
+                _gmm._silu_parts = _CUR
             if E == 64:
                 H = K * F
                 kd = jax.random.split(jax.random.key(2), 4)
@@ -181,6 +218,29 @@ def main(argv=None):
                 ms = median_ms(jax.jit(dense_run), dense, xT, xT)
                 print(f"  dense SwiGLU fwd+bwd{'':<20}{ms:8.3f} ms {3 * 3 * fl / ms / 1e9:7.1f} TF/s", flush=True)
 
+    if args.steps:
+        steps(args)
+
+
+def steps(args):
+    """Training steps of tpu_moe.py's rows (path "now") with the layer's plan, and with
+    the plan's fuse_bwd forced on ("fuse")."""
+    import tpu_moe
+    targs = tpu_moe.parse([])
+    if args.interpret:
+        targs.seq, targs.emb, targs.mlp, targs.experts, targs.top_k = 64, 256, 128, 8, 2
+    bench = tpu_moe.Bench(targs)
+    visiting = _gmm_plan._visiting
+    for row in args.steps.split(";"):
+        for variant in args.step_variants.split(","):
+            if variant == "fuse":
+                _gmm_plan._visiting = lambda p: dataclasses.replace(visiting(p), fuse_bwd=True)
+            try:
+                tpu_moe.print_step(dict(bench.step_row(row, "now"), row=f"{row} [{variant}]"))
+            except Exception as e:  # noqa: BLE001
+                print(f"  step {row} [{variant}]: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+            _gmm_plan._visiting = visiting
+
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
