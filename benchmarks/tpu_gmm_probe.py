@@ -3,20 +3,21 @@ of the Plan (`_gmm_plan.Plan`: pow2, tgmm_chunk) and of the SwiGLU's sigmoid, on
 chip; rows routed at random (T tokens, top-K of E experts), D x F. A probe for issue 43.
 
     python benchmarks/tpu_gmm_probe.py [--experts 64 128] [--what kernels,swiglu,silu]
-        [--plans "base;pow2;pow2,c4;pow2,c4,fuse"] [--swiglu-plans ...] [--kernels up,...]
-        [--steps "RoutedMoE E=8 top-2;..." --step-variants cur,fuse]
+        [--plans "base;pow2;pow2,c4"] [--swiglu-plans ...] [--kernels "up;tgmm x,dh0"]
+        [--steps "RoutedMoE E=8 top-2;..."]
 
 A plan is comma-separated: base (blocks of 4 tiles, a loop over a short visit's tiles),
-pow2, cN (the weight gradient's runs of N tiles from each group's first tile), fuse (the
-backward pass's dh0, dh1 and dx in one kernel); "+NAME" after a SwiGLU plan picks the
-sigmoid (cur: the library's; exp, tanh, logistic, recip; none: no sigmoid, a timing floor).
---steps times tpu_moe.py's training-step rows with the layer's plan and with fuse forced.
+pow2, cN (the weight gradient's runs of N tiles from each group's first tile); "+NAME"
+after a SwiGLU plan picks the sigmoid (cur: the library's; exp, tanh, logistic, recip;
+none: no sigmoid, a timing floor). --steps times tpu_moe.py's training-step rows ("now").
+(Issue 43 also tried dh0, dh1 and dx of the backward pass in one kernel here, at a418b83:
+9.21 ms alone against 2.92 + 3.97, the SwiGLU forward+backward 19.68 against 16.93 ms;
+removed.)
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import statistics
 import sys
 import time
@@ -97,9 +98,6 @@ def kernels(lay, a, p, E):
                       (a["dy"], a["wo"], a["dh0"], a["dh1"]), 1),
         "up_grad": (lambda d0, d1, w0, w1: _gmm._up_grad(d0, d1, w0, w1, tg, nt, p),
                     (a["dh0"], a["dh1"], a["wi_0"], a["wi_1"]), 2),
-        "down_up_grad": (lambda dy, w, h0, h1, w0, w1: _gmm._down_up_grad(
-            dy, w, h0, h1, w0, w1, tg, nt, p, lanes=128),
-            (a["dy"], a["wo"], a["dh0"], a["dh1"], a["wi_0"], a["wi_1"]), 3),
         "tgmm x,dh0": (lambda x, d: _gmm._tgmm(x, d, tg, nt, E, p, jnp.bfloat16), (a["x"], a["dh0"]), 1),
         "tgmm h,dy": (lambda h, d: _gmm._tgmm(h, d, tg, nt, E, p, jnp.bfloat16), (a["h"], a["dy"]), 1),
     }
@@ -121,9 +119,8 @@ def main(argv=None):
     ap.add_argument("--plans", default="base;pow2;pow2,c4;pow2,c8")
     ap.add_argument("--swiglu-plans", default=None)
     ap.add_argument("--silu", default="exp,tanh,logistic,recip,none")
-    ap.add_argument("--kernels", default=None, help="only these kernels (comma-separated)")
+    ap.add_argument("--kernels", default=None, help="only these kernels (;-separated)")
     ap.add_argument("--steps", default="", help="tpu_moe.py step rows, ';'-separated")
-    ap.add_argument("--step-variants", default="cur,fuse")
     ap.add_argument("--interpret", action="store_true", help="tiny sizes, to check the script")
     args = ap.parse_args(argv)
     T, D, F = (8192, 2048, 1024) if not args.interpret else (64, 256, 128)
@@ -138,8 +135,6 @@ def main(argv=None):
         for part in spec.split(","):
             if part == "pow2":
                 kw["pow2"] = True
-            elif part == "fuse":
-                kw["fuse_bwd"] = True
             elif part.startswith("c"):
                 kw["tgmm_chunk"] = int(part[1:])
             elif part.startswith("bm"):
@@ -158,7 +153,7 @@ def main(argv=None):
                 for name, (f, xs, prods) in kernels(lay, a, p, E).items():
                     if "c" in spec and not name.startswith("tgmm"):
                         continue
-                    if "fuse" in spec or (args.kernels and name not in args.kernels.split(",")):
+                    if args.kernels and name not in args.kernels.split(";"):
                         continue
                     try:
                         ms = median_ms(jax.jit(f), *xs)
@@ -223,23 +218,14 @@ def main(argv=None):
 
 
 def steps(args):
-    """Training steps of tpu_moe.py's rows (path "now") with the layer's plan, and with
-    the plan's fuse_bwd forced on ("fuse")."""
+    """Training steps of tpu_moe.py's rows, the layer's own plan ("now")."""
     import tpu_moe
     targs = tpu_moe.parse([])
     if args.interpret:
         targs.seq, targs.emb, targs.mlp, targs.experts, targs.top_k = 64, 256, 128, 8, 2
     bench = tpu_moe.Bench(targs)
-    visiting = _gmm_plan._visiting
     for row in args.steps.split(";"):
-        for variant in args.step_variants.split(","):
-            if variant == "fuse":
-                _gmm_plan._visiting = lambda p: dataclasses.replace(visiting(p), fuse_bwd=True)
-            try:
-                tpu_moe.print_step(dict(bench.step_row(row, "now"), row=f"{row} [{variant}]"))
-            except Exception as e:  # noqa: BLE001
-                print(f"  step {row} [{variant}]: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
-            _gmm_plan._visiting = visiting
+        tpu_moe.print_step(bench.step_row(row, "now"))
 
 
 if __name__ == "__main__":

@@ -344,69 +344,6 @@ def _down_grad(dy_PD, wo_GFD, h0_PF, h1_PF, tile_group_I, num_tiles, p: Plan,
                  [dy_PD, wo_GFD, h0_PF, h1_PF] + ([scale_P1] if scaled else []))
 
 
-def _down_up_grad(dy_PD, wo_GFD, h0_PF, h1_PF, wi_0_GDF, wi_1_GDF, tile_group_I, num_tiles,
-                  p: Plan, scale_P1=None, lanes: int | None = None):
-    """`_down_grad` and `_up_grad` in one pass: dh0 and dh1 as `_down_grad` writes them,
-    and dx = dh0 @ wi_0[g]^T + dh1 @ wi_1[g]^T from the same (rounded) values while they
-    are in VMEM, not read back; with `lanes`, dx as [P, D / lanes, lanes]. Three
-    products a visit: the rows' traffic per product falls by half."""
-    P = dy_PD.shape[0]
-    F, D = wo_GFD.shape[1:]
-    t = Tiles(p.bm, D, F)
-    scaled = scale_P1 is not None
-    V = tile_group_I.shape[0]
-
-    def kernel(meta_ref, dy_ref, wo_ref, h0_ref, h1_ref, w0_ref, w1_ref, *refs):
-        *scale_ref, dh0_ref, dh1_ref, dx_ref = refs
-
-        def body(rows, lead):
-            dh = jax.lax.dot_general(dy_ref[rows, :], wo_ref[...], _NT,
-                                     preferred_element_type=jnp.float32)
-            if scaled:
-                dh = dh * scale_ref[0][rows, :]
-            dh = dh.astype(dh0_ref.dtype).astype(jnp.float32)
-            silu, dsilu = _silu_parts(h0_ref[rows, :].astype(jnp.float32))
-            silu = silu.astype(dh1_ref.dtype).astype(jnp.float32)
-            dh1 = (dh * silu).astype(dh1_ref.dtype)
-            dsilu_in = (dh * h1_ref[rows, :].astype(jnp.float32)).astype(dh0_ref.dtype)
-            dh0 = (dsilu_in.astype(jnp.float32) * dsilu).astype(dh0_ref.dtype)
-            dh0_ref[rows, :], dh1_ref[rows, :] = dh0, dh1
-            dx = jax.lax.dot_general(dh0, w0_ref[...], _NT, preferred_element_type=jnp.float32)
-            dx += jax.lax.dot_general(dh1, w1_ref[...], _NT, preferred_element_type=jnp.float32)
-            _store(dx_ref, rows, dx, lanes)
-        _each_visit(p, meta_ref, pl.program_id(1), V, body)
-
-    t_dx = Tiles(p.bm, F, D)
-    out_shapes = [jax.ShapeDtypeStruct((P, F), dy_PD.dtype)] * 2 + [
-        _rows_struct(P, D, dy_PD.dtype, lanes)]
-    operands = [dy_PD, wo_GFD, h0_PF, h1_PF, wi_0_GDF, wi_1_GDF] + ([scale_P1] if scaled else [])
-
-    def call(meta, num_visits, *operands):
-        return pl.pallas_call(
-            kernel,
-            out_shape=[_compat.out_struct(s.shape, s.dtype, *operands) for s in out_shapes],
-            grid_spec=pltpu.PrefetchScalarGridSpec(
-                num_scalar_prefetch=1,
-                grid=(1, num_visits, 1),
-                in_specs=_row_specs(t, 1, True) + _weight_specs(t, V, 1, True)
-                + _row_specs(t, 2, False) + _weight_specs(t, V, 2, False)
-                + _scale_specs(t, scaled),
-                out_specs=[_out_spec(t, None)] * 2 + [_out_spec(t_dx, lanes)]),
-            compiler_params=pltpu.CompilerParams(
-                dimension_semantics=("parallel", "arbitrary", "arbitrary"),
-                vmem_limit_bytes=max(p.vmem_limit, FUSED_VMEM_LIMIT)),
-            interpret=p.interpret,
-            cost_estimate=_cost(P, D, F, dy_PD.dtype.itemsize, 3),
-            name="shardlint_gmm_down_up_grad",
-        )(meta, *operands)
-    return _launch(p, call, tile_group_I, num_tiles, operands)
-
-
-# VMEM the fused backward kernel may use (a v5e's core has 128 MiB): its three weight
-# blocks double-buffered are 24 MiB at D x F = 2048 x 1024
-FUSED_VMEM_LIMIT = 100 * 2 ** 20
-
-
 def _scale_specs(t: Tiles, scaled: bool) -> list:
     """The block of a [P, 1] float32 row scale at visit v's block (none when unscaled)."""
     return [pl.BlockSpec((t.m, 1), lambda n, v, k, meta: (meta[v], 0))] if scaled else []
@@ -544,12 +481,8 @@ def _swiglu_grads(p, residuals, dy_PX, scale_P1=None, lanes=None):
     G, _, D = wo_GFD.shape
     dy_PX = dy_PX.astype(x_PD.dtype)
     dwo = _tgmm(h_PF, dy_PX, *meta, G, p, wo_GFD.dtype, scale_P1, n=D)
-    if p.fuse_bwd:
-        dh0_PF, dh1_PF, dx_PD = _down_up_grad(dy_PX, wo_GFD, h0_PF, h1_PF, wi_0_GDF,
-                                              wi_1_GDF, *meta, p, scale_P1, lanes)
-    else:
-        dh0_PF, dh1_PF = _down_grad(dy_PX, wo_GFD, h0_PF, h1_PF, *meta, p, scale_P1)
-        dx_PD = _up_grad(dh0_PF, dh1_PF, wi_0_GDF, wi_1_GDF, *meta, p, lanes)
+    dh0_PF, dh1_PF = _down_grad(dy_PX, wo_GFD, h0_PF, h1_PF, *meta, p, scale_P1)
+    dx_PD = _up_grad(dh0_PF, dh1_PF, wi_0_GDF, wi_1_GDF, *meta, p, lanes)
     dwi_0 = _tgmm(x_PD, dh0_PF, *meta, G, p, wi_0_GDF.dtype)
     dwi_1 = _tgmm(x_PD, dh1_PF, *meta, G, p, wi_1_GDF.dtype)
     return (dx_PD, dwi_0, dwi_1, dwo, np.zeros(tile_group_I.shape, jax.dtypes.float0),

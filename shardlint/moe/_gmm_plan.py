@@ -94,8 +94,6 @@ class Plan:
     # the weight-gradient kernel's visits: runs of up to `tgmm_chunk` tiles from each
     # group's first tile (0: the blocks of nsub tiles the other kernels visit)
     tgmm_chunk: int = 0
-    # the backward pass's dh0, dh1 and dx in one kernel (`_gmm._down_up_grad`)
-    fuse_bwd: bool = False
 
     @property
     def bm(self) -> int:
