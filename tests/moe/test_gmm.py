@@ -18,7 +18,7 @@ import pytest
 
 import pallas_paths
 from shardlint import moe
-from shardlint.moe import _experts, _gather, _gmm, _gmm_plan, _permute
+from shardlint.moe import _experts, _gather, _gmm, _gmm_grid, _gmm_plan, _permute
 
 
 def _groups(seed: int, M: int, G: int, padding: bool) -> jax.Array:
@@ -249,7 +249,7 @@ def test_visits_take_each_tile_in_use_once_by_block_and_group(nsub):
     p = _gmm_plan.Plan(tm, interpret=True, nsub=nsub)
     lay = _permute.padded_layout(group_M, G, tm, p.bm)
     assert lay.rows % p.bm == 0 and lay.rows >= (-(-M // tm) + G) * tm
-    meta, num_visits = _gmm._visits(lay.tile_group_I, lay.num_tiles, p)
+    meta, num_visits = _gmm_grid.visits(lay.tile_group_I, lay.num_tiles, p)
     V = lay.tile_group_I.shape[0]
     block, group, first, count = np.asarray(meta).reshape(4, V)[:, :int(num_visits)]
     tiles = [b * nsub + f + i for b, f, c in zip(block, first, count) for i in range(c)]
@@ -274,3 +274,26 @@ def test_grouped_swiglu_pallas_in_blocks_of_several_tiles_matches_ragged_dot(moe
                               x, w)
             return y, back(ct)
     moe_testlib.assert_tree_close(vjp("interpret"), vjp("xla"))
+
+
+@pytest.mark.parametrize("nsub", [2, 4, 8])
+def test_chunks_run_from_each_groups_first_tile(nsub):
+    """The weight gradient's visits (`_gmm_grid.chunks`): runs of up to nsub tiles of one
+    group, counted from the group's first tile, covering the tiles in use once each, in
+    order; each read as the block of nsub tiles from tile `at` (inside the layout)."""
+    M, G, tm = 96, 6, 4
+    group_M = _groups(0, M, G, padding=True)
+    p = _gmm_plan.Plan(tm, interpret=True, nsub=nsub)
+    lay = _permute.padded_layout(group_M, G, tm, p.bm)
+    meta, num_visits = _gmm_grid.chunks(lay.tile_group_I, lay.num_tiles, p)
+    V = lay.tile_group_I.shape[0]
+    at, group, first, count = np.asarray(meta).reshape(4, V)[:, :int(num_visits)]
+    tiles = [a + f + i for a, f, c in zip(at, first, count) for i in range(c)]
+    assert tiles == list(range(int(lay.num_tiles)))
+    tile_group = np.asarray(lay.tile_group_I)
+    group_first = {g: int(np.argmax(tile_group == g)) for g in range(G)}
+    for a, g, f, c in zip(at, group, first, count):
+        assert 1 <= c <= nsub and f + c <= nsub and 0 <= a and a + nsub <= V
+        assert np.all(tile_group[a + f:a + f + c] == g)
+        assert (a + f - group_first[g]) % nsub == 0
+    assert np.all(np.diff(group) >= 0) and set(group) == set(range(G))
