@@ -18,9 +18,7 @@ removed.)
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import jax
@@ -30,49 +28,39 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from shardlint.moe import _experts, _gmm, _gmm_plan, _permute  # noqa: E402
+from _common import median_seconds  # noqa: E402
 
 PEAK = 197e12
-_CUR = _gmm._silu_parts
+_CUR = _gmm._silu_parts   # the library's: the sigmoid as 0.5 tanh(h0 / 2) + 0.5
 
 
-def _silu_exp(h0):
-    sig = 1.0 / (1.0 + jnp.exp(-h0))
-    return h0 * sig, sig * (1.0 + h0 * (1.0 - sig))
+def _with_sigmoid(sigmoid):
+    """silu(h0) and its derivative, with the sigmoid computed by `sigmoid`."""
+    def parts(h0):
+        sig = sigmoid(h0)
+        return h0 * sig, sig * (1.0 + h0 * (1.0 - sig))
+    return parts
 
 
-def _silu_tanh(h0):
-    sig = 0.5 * jnp.tanh(0.5 * h0) + 0.5
-    return h0 * sig, sig * (1.0 + h0 * (1.0 - sig))
-
-
-def _silu_logistic(h0):
-    sig = jax.nn.sigmoid(h0)
-    return h0 * sig, sig * (1.0 + h0 * (1.0 - sig))
-
-
-def _silu_recip(h0):
+def _reciprocal(h0):
     from jax.experimental import pallas as pl
-    sig = pl.reciprocal(1.0 + jnp.exp(-h0), approx=True)
-    return h0 * sig, sig * (1.0 + h0 * (1.0 - sig))
+    return pl.reciprocal(1.0 + jnp.exp(-h0), approx=True)
 
 
-def _silu_none(h0):   # timing floor only: wrong numbers
-    return h0, h0
+SILU = {"cur": _CUR, "tanh": _CUR,
+        "exp": _with_sigmoid(lambda h0: 1.0 / (1.0 + jnp.exp(-h0))),
+        "logistic": _with_sigmoid(jax.nn.sigmoid), "recip": _with_sigmoid(_reciprocal),
+        "none": lambda h0: (h0, h0)}   # a timing floor only: wrong numbers
 
 
-SILU = {"cur": _CUR, "exp": _silu_exp, "tanh": _silu_tanh, "logistic": _silu_logistic, "recip": _silu_recip,
-        "none": _silu_none}
-
-
-def median_ms(f, *args, n=20):
-    for _ in range(2):
-        jax.block_until_ready(f(*args))
-    ts = []
-    for _ in range(n):
-        t = time.perf_counter()
-        jax.block_until_ready(f(*args))
-        ts.append(time.perf_counter() - t)
-    return 1e3 * statistics.median(ts)
+def _median_ms(label: str, f, *args) -> float | None:
+    """The median of 20 timed calls after 2 untimed ones, in ms; None (and a line saying
+    why) when `f` does not compile or run."""
+    try:
+        return 1e3 * median_seconds(f, *args, repeats=20, warmup=2)
+    except Exception as e:  # noqa: BLE001
+        print(f"  {label}FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+        return None
 
 
 def case(T, E, K, D, F, tm=128, bm=512):
@@ -155,12 +143,9 @@ def main(argv=None):
                         continue
                     if args.kernels and name not in args.kernels.split(";"):
                         continue
-                    try:
-                        ms = median_ms(jax.jit(f), *xs)
+                    if (ms := _median_ms(f"{spec:<14}{name:<12}", jax.jit(f), *xs)) is not None:
                         print(f"  {spec:<14}{name:<12}{ms:8.3f} ms {prods * fl / ms / 1e9:7.1f} TF/s "
                               f"{100 * prods * fl / ms / 1e9 / (PEAK / 1e12):5.1f}%", flush=True)
-                    except Exception as e:  # noqa: BLE001
-                        print(f"  {spec:<14}{name:<12}FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
         if "silu" in what:
             p = plan_of("base")
             ks = kernels(lay, a, p, E)
@@ -168,11 +153,8 @@ def main(argv=None):
                 _gmm._silu_parts = SILU[sname]
                 for name in ("up", "down_grad"):
                     f, xs, prods = ks[name]
-                    try:
-                        ms = median_ms(jax.jit(f), *xs)
+                    if (ms := _median_ms(f"silu={sname:<9}{name:<12}", jax.jit(f), *xs)) is not None:
                         print(f"  silu={sname:<9}{name:<12}{ms:8.3f} ms {prods * fl / ms / 1e9:7.1f} TF/s", flush=True)
-                    except Exception as e:  # noqa: BLE001
-                        print(f"  silu={sname:<9}{name:<12}FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
             _gmm._silu_parts = _CUR
         if "swiglu" in what:
             ct = a["dy"]
@@ -183,10 +165,8 @@ def main(argv=None):
                 if "+" in spec:
                     spec, sname = spec.split("+")
                 _gmm._silu_parts = SILU[sname]
-                p = plan_of(spec)
-                try:
-                    fn = swiglu_vjp(lay, p)
-                    ms = median_ms(fn, w, a["x"], ct)
+                fn = swiglu_vjp(lay, plan_of(spec))
+                if (ms := _median_ms(f"swiglu {spec}: ", fn, w, a["x"], ct)) is not None:
                     out = fn(w, a["x"], ct)
                     used = int(lay.num_tiles) * 128
                     out = (out[0][:used], out[1][0], out[1][1][:used])
@@ -196,8 +176,6 @@ def main(argv=None):
                               for u, r in zip(jax.tree.leaves(out), jax.tree.leaves(ref)))
                     print(f"  swiglu fwd+bwd {spec + '+' + sname:<20}{ms:8.3f} ms "
                           f"{3 * 3 * fl / ms / 1e9:7.1f} TF/s  (vs the first: {err:.2e})", flush=True)
-                except Exception as e:  # noqa: BLE001
-                    print(f"  swiglu {spec}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
                 _gmm._silu_parts = _CUR
             if E == 64:
                 H = K * F
@@ -210,7 +188,7 @@ def main(argv=None):
                 def dense_run(w, x, ct):
                     y, back = jax.vjp(lambda w, x: _experts.swiglu(x, *w), w, x)
                     return y, back(ct)
-                ms = median_ms(jax.jit(dense_run), dense, xT, xT)
+                ms = 1e3 * median_seconds(jax.jit(dense_run), dense, xT, xT, repeats=20, warmup=2)
                 print(f"  dense SwiGLU fwd+bwd{'':<20}{ms:8.3f} ms {3 * 3 * fl / ms / 1e9:7.1f} TF/s", flush=True)
 
     if args.steps:
