@@ -40,18 +40,9 @@ def visits(tile_group_I: jax.Array, num_tiles: jax.Array, p: Plan):
     V = tile_group_I.shape[0]
     if V % p.nsub:
         raise ValueError(f"{V} tiles do not make whole blocks of {p.nsub}")
-    t_I = jnp.arange(V, dtype=jnp.int32)
-    used_I = t_I < num_tiles
-    before_I = jnp.concatenate([jnp.full((1,), -1, jnp.int32), tile_group_I[:-1]])
-    start_I = used_I & ((t_I % p.nsub == 0) | (tile_group_I != before_I))
-    c_I = jnp.cumsum(start_I.astype(jnp.int32))      # 1 + the visit of each tile in use
-    first_V = jnp.minimum(jnp.sum(c_I[None, :] <= t_I[:, None], axis=1, dtype=jnp.int32),
-                          V - 1)
-    count_V = jnp.sum((c_I[None, :] == t_I[:, None] + 1) & used_I[None, :], axis=1,
-                      dtype=jnp.int32)
-    meta = jnp.concatenate([first_V // p.nsub, tile_group_I[first_V], first_V % p.nsub,
-                            count_V])
-    return meta, c_I[-1]
+    t_I, used_I, opens_I = _tiles(tile_group_I, num_tiles)
+    first_V, count_V, num = _runs(used_I & ((t_I % p.nsub == 0) | opens_I), used_I)
+    return jnp.concatenate([first_V // p.nsub, tile_group_I[first_V], first_V % p.nsub, count_V]), num
 
 
 def chunks(tile_group_I: jax.Array, num_tiles: jax.Array, p: Plan):
@@ -62,19 +53,29 @@ def chunks(tile_group_I: jax.Array, num_tiles: jax.Array, p: Plan):
     V = tile_group_I.shape[0]
     if V < p.nsub:
         raise ValueError(f"{V} tiles are fewer than a chunk of {p.nsub}")
-    t_I = jnp.arange(V, dtype=jnp.int32)
-    used_I = t_I < num_tiles
-    before_I = jnp.concatenate([jnp.full((1,), -1, jnp.int32), tile_group_I[:-1]])
-    group_start_I = jax.lax.cummax(jnp.where(tile_group_I != before_I, t_I, 0))
-    start_I = used_I & ((t_I - group_start_I) % p.nsub == 0)
-    c_I = jnp.cumsum(start_I.astype(jnp.int32))
-    first_V = jnp.minimum(jnp.sum(c_I[None, :] <= t_I[:, None], axis=1, dtype=jnp.int32),
-                          V - 1)
-    count_V = jnp.sum((c_I[None, :] == t_I[:, None] + 1) & used_I[None, :], axis=1,
-                      dtype=jnp.int32)
+    t_I, used_I, opens_I = _tiles(tile_group_I, num_tiles)
+    group_start_I = jax.lax.cummax(jnp.where(opens_I, t_I, 0))
+    first_V, count_V, num = _runs(used_I & ((t_I - group_start_I) % p.nsub == 0), used_I)
     at_V = jnp.minimum(first_V, V - p.nsub)
-    meta = jnp.concatenate([at_V, tile_group_I[first_V], first_V - at_V, count_V])
-    return meta, c_I[-1]
+    return jnp.concatenate([at_V, tile_group_I[first_V], first_V - at_V, count_V]), num
+
+
+def _tiles(tile_group_I: jax.Array, num_tiles: jax.Array):
+    """Each tile's index, whether it is in use, and whether it opens its group."""
+    t_I = jnp.arange(tile_group_I.shape[0], dtype=jnp.int32)
+    before_I = jnp.concatenate([jnp.full((1,), -1, jnp.int32), tile_group_I[:-1]])
+    return t_I, t_I < num_tiles, tile_group_I != before_I
+
+
+def _runs(start_I: jax.Array, used_I: jax.Array):
+    """The runs of tiles in use, one starting at each tile of `start_I`: each run's first
+    tile and tile count (V entries, the ones past the last run unused), and their number."""
+    V = start_I.shape[0]
+    t_I = jnp.arange(V, dtype=jnp.int32)
+    c_I = jnp.cumsum(start_I.astype(jnp.int32))      # 1 + the run of each tile in use
+    first_V = jnp.minimum(jnp.sum(c_I[None, :] <= t_I[:, None], axis=1, dtype=jnp.int32), V - 1)
+    count_V = jnp.sum((c_I[None, :] == t_I[:, None] + 1) & used_I[None, :], axis=1, dtype=jnp.int32)
+    return first_V, count_V, c_I[-1]
 
 
 def each_visit(p: Plan, meta_ref, v, V: int, body) -> None:
