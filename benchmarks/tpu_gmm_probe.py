@@ -12,7 +12,9 @@ after a SwiGLU plan picks the sigmoid (cur: the library's; exp, tanh, logistic, 
 none: no sigmoid, a timing floor). --steps times tpu_moe.py's training-step rows ("now").
 (Issue 43 also tried dh0, dh1 and dx of the backward pass in one kernel here, at a418b83:
 9.21 ms alone against 2.92 + 3.97, the SwiGLU forward+backward 19.68 against 16.93 ms;
-removed.)
+removed. At 663ad63 it tried the two input weights' gradients from one pass over x, one
+`_tgmm` with two accumulators at a VMEM limit of 96 MiB: 7.14 ms alone against 4.58 for
+the two passes, the SwiGLU 19.54 against 16.92 ms; removed, benchmarks/README.md.)
 """
 
 from __future__ import annotations
