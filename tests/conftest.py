@@ -14,6 +14,8 @@ import sys
 import jax
 import pytest
 
+from support.processes import FAST_KERNELS, user_env
+
 # Keras fixes its backend when it is first imported, and other test files' libraries import it
 # (TensorFlow's, through MaxText's imports); a test process runs several files, in any order.
 os.environ.setdefault("KERAS_BACKEND", "jax")
@@ -25,9 +27,9 @@ jax.config.update("jax_platforms", "cpu")
 # shardings, the partitioned program, the buffer assignment), which this flag leaves as they
 # are (the same compiled text and memory_analysis() on the examples, JAX 0.10.2 and 0.12.0.1);
 # compiles take about two thirds of the time (the demo's three meshes: 40.6 s -> 27.7 s).
-# Set before the backend starts; subprocesses the tests start inherit it.
-_FAST_KERNELS = "--xla_backend_optimization_level=0"
-os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_FAST_KERNELS}".strip()
+# Set before the backend starts; processes the tests start as a user would get theirs from
+# `support.processes.user_env`.
+os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {FAST_KERNELS}".strip()
 
 
 @pytest.fixture(scope="session")
@@ -46,8 +48,7 @@ def run_cli():
     CLI's own --mesh handling."""
 
     def run(*argv: str, timeout: int = 300) -> subprocess.CompletedProcess:
-        env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | {"XLA_FLAGS": _FAST_KERNELS}
         return subprocess.run([sys.executable, "-m", "shardlint.cli", *argv], capture_output=True,
-                              text=True, env=env, timeout=timeout)
+                              text=True, env=user_env(), timeout=timeout)
 
     return run

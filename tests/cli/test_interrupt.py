@@ -10,7 +10,6 @@ XLA's compile threads were still running when the interpreter finalized.
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
@@ -19,6 +18,8 @@ import time
 from pathlib import Path
 
 import pytest
+
+from support.processes import user_env
 
 HEAVY = f"{Path(__file__).parents[1] / 'support' / 'compile_heavy.py'}:make_step"
 MESH = ("--mesh", "data=2,context=4")
@@ -31,9 +32,8 @@ def interrupted(argv: list[str], after: str, delay: float, tmp_path: Path, nth: 
     its own)."""
     tmp = tmp_path / "tmp"
     tmp.mkdir(exist_ok=True)
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env |= {"XLA_FLAGS": "--xla_backend_optimization_level=0", "TMPDIR": str(tmp)}
-    proc = subprocess.Popen([sys.executable, "-m", "shardlint.cli", *argv], cwd=tmp_path, env=env,
+    proc = subprocess.Popen([sys.executable, "-m", "shardlint.cli", *argv], cwd=tmp_path,
+                            env=user_env(TMPDIR=str(tmp)),
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     lines: list[str] = []
     sent = threading.Event()

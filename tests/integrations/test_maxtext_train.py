@@ -25,6 +25,7 @@ from shardlint import UsageError
 from shardlint.integrations.maxtext import MaxTextError
 from shardlint.integrations.maxtext._command import main, split
 from shardlint.integrations.maxtext._handover import Fixed, Options, _refuse_unreached
+from support.processes import FAST_KERNELS, user_env
 
 HAS_MAXTEXT = importlib.util.find_spec("maxtext") is not None
 needs_maxtext = pytest.mark.skipif(not HAS_MAXTEXT, reason="MaxText is not installed: "
@@ -146,8 +147,7 @@ EVAL_LOSS = re.compile(r"Completed eval after train step (\d+), loss=([\d.]+),")
 
 def _loop(module: str, tmp_path, run_name: str) -> subprocess.CompletedProcess:
     base = os.path.join(importlib.util.find_spec("maxtext").submodule_search_locations[0], "configs", "base.yml")
-    env = dict(os.environ, JAX_PLATFORMS="cpu",
-               XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8")
+    env = user_env(f"{FAST_KERNELS} --xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
     return subprocess.run([sys.executable, "-m", module, base, f"run_name={run_name}",
                            f"base_output_directory={tmp_path}", *LOOP],
                           capture_output=True, text=True, env=env, timeout=900)

@@ -9,7 +9,6 @@ both.
 from __future__ import annotations
 
 import math
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +17,7 @@ from shardlint import analyze
 from shardlint.analyzer._dump import PROPAGATION_PASSES
 
 from .dump_job import build
+from .processes import user_env
 
 JOB = Path(__file__).with_name("dump_job.py")
 FULL_FLAGS = f"--xla_dump_hlo_as_text --xla_dump_hlo_pass_re={PROPAGATION_PASSES}"
@@ -30,9 +30,9 @@ def write_dumps(root: Path, jobs: dict[str, tuple], flags: str = FULL_FLAGS,
     for label, (step, axes) in jobs.items():
         folder = root / label.replace(" ", "_").replace(",", "")
         devices = "" if topology else f"--xla_force_host_platform_device_count={math.prod(axes.values())} "
-        env = {**os.environ, "XLA_FLAGS": f"{devices}--xla_dump_to={folder} {flags}",
-               # this session's own libtpu holds its lockfile; the job loads another
-               **({"ALLOW_MULTIPLE_LIBTPU_LOAD": "1"} if topology else {}), **(env_extra or {})}
+        env = user_env(f"{devices}--xla_dump_to={folder} {flags}",
+                       # this session's own libtpu holds its lockfile; the job loads another
+                       **({"ALLOW_MULTIPLE_LIBTPU_LOAD": "1"} if topology else {}), **(env_extra or {}))
         argv = [sys.executable, str(JOB), step, ",".join(f"{k}={v}" for k, v in axes.items())]
         running.append((label, subprocess.Popen(argv + ([topology] if topology else []), env=env,
                                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)))

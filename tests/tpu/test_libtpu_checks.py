@@ -12,6 +12,7 @@ from shardlint.analyzer import Analysis, Memory
 from shardlint.analyzer import _fit as fitting
 from shardlint.analyzer import _topology as topo
 from shardlint.cli import main
+from support.processes import user_env
 
 
 @pytest.mark.parametrize("version, spec, ok", [
@@ -160,13 +161,10 @@ def test_cpu_commands_print_nothing_from_libtpu(xla_flags):
     # With shardlint[tpu] installed, a CPU command must not start the TPU client: libtpu
     # would print its start-up errors ("Failed to find host bounds", "unexpected worker
     # hostname") on every run. Also when the device count comes from XLA_FLAGS.
-    import os
     import subprocess
     import sys
 
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
-    if xla_flags:
-        env["XLA_FLAGS"] = xla_flags
+    env = user_env(xla_flags, drop=("JAX_PLATFORMS",))
     proc = subprocess.run([sys.executable, "-m", "shardlint.cli", "analyze", "shardlint.examples.steps:make_step",
                            "--mesh", "data=2,context=4"], capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 1, proc.stderr[-2000:]   # the example's findings
