@@ -111,6 +111,8 @@ def main(argv=None):
     ap.add_argument("--silu", default="exp,tanh,logistic,recip,none")
     ap.add_argument("--kernels", default=None, help="only these kernels (;-separated)")
     ap.add_argument("--steps", default="", help="tpu_moe.py step rows, ';'-separated")
+    ap.add_argument("--tile", type=int, default=128,
+                    help="the layout's row tile (blocks of max(tile, 512) rows by default)")
     ap.add_argument("--interpret", action="store_true", help="tiny sizes, to check the script")
     args = ap.parse_args(argv)
     T, D, F = (8192, 2048, 1024) if not args.interpret else (64, 256, 128)
@@ -120,7 +122,7 @@ def main(argv=None):
               f"the grouped-matmul kernels on a TPU chip (--interpret: tiny sizes, anywhere)")
         return 0
 
-    def plan_of(spec, tm=128):
+    def plan_of(spec, tm=args.tile):
         kw = {}
         for part in spec.split(","):
             if part == "pow2":
@@ -129,14 +131,18 @@ def main(argv=None):
                 kw["tgmm_chunk"] = int(part[1:])
             elif part.startswith("bm"):
                 kw["nsub"] = int(part[2:]) // tm
-        return _gmm_plan.Plan(tm, nsub=kw.pop("nsub", 4), interpret=args.interpret, **kw)
+        return _gmm_plan.Plan(tm, nsub=kw.pop("nsub", max(1, 512 // tm)),
+                              interpret=args.interpret, **kw)
 
     print(jax.devices()[0].device_kind, jax.__version__, flush=True)
     for E in args.experts:
         K = 2 if E == 8 else 8
-        lay, a = case(T, E, K, D, F)
+        lay, a = case(T, E, K, D, F, args.tile, max(args.tile, 512))
         fl = 2 * T * K * D * F
-        print(f"\nE={E} K={K}: P={lay.rows} tiles used {int(lay.num_tiles)}", flush=True)
+        computed = 2 * int(lay.num_tiles) * args.tile * D * F   # padding rows too
+        print(f"\nE={E} K={K}: P={lay.rows} tiles of {args.tile} rows used "
+              f"{int(lay.num_tiles)}; kernels: ms, TF/s and % of peak of the routed rows' "
+              f"FLOPs, % of peak of the rows computed (padding too)", flush=True)
         if "kernels" in what:
             for spec in args.plans.split(";"):
                 p = plan_of(spec)
@@ -147,7 +153,8 @@ def main(argv=None):
                         continue
                     if (ms := _median_ms(f"{spec:<14}{name:<12}", jax.jit(f), *xs)) is not None:
                         print(f"  {spec:<14}{name:<12}{ms:8.3f} ms {prods * fl / ms / 1e9:7.1f} TF/s "
-                              f"{100 * prods * fl / ms / 1e9 / (PEAK / 1e12):5.1f}%", flush=True)
+                              f"{100 * prods * fl / ms / 1e9 / (PEAK / 1e12):5.1f}% "
+                              f"{100 * prods * computed / ms / 1e9 / (PEAK / 1e12):5.1f}%", flush=True)
         if "silu" in what:
             p = plan_of("base")
             ks = kernels(lay, a, p, E)
