@@ -1,8 +1,8 @@
 """Test configuration: simulate 8 CPU devices before any backend starts.
 
 This is the one place the test process's device count and XLA_FLAGS are set. Tests that
-start a process as a user would set its XLA_FLAGS there, for what they test (a dump folder,
-a device count the CLI must read).
+start a process as a user would give it the XLA_FLAGS of what they test (a dump folder, a
+device count the CLI must read) through `support.processes.user_env`.
 """
 
 from __future__ import annotations
