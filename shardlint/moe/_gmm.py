@@ -79,7 +79,7 @@ def _gmm(x_PK: jax.Array, w_GAB: jax.Array, tile_group_I: jax.Array,
     g being the tile's group; with `lanes`, as [P, N / lanes, lanes] (`grid.store`)."""
     P, K = x_PK.shape
     N = w_GAB.shape[1] if transpose_rhs else w_GAB.shape[2]
-    t = p.tiles(K, N, x_PK.dtype.itemsize)
+    t = p.tiles(K, N, x_PK.dtype.itemsize, lanes=lanes)
     k_steps = K // t.k
     dims = grid.NT if transpose_rhs else grid.NN
 
@@ -177,7 +177,7 @@ def _up_grad(dh0_PF, dh1_PF, wi_0_GDF, wi_1_GDF, tile_group_I, num_tiles, p: Pla
     [P, D / lanes, lanes] (`grid.store`)."""
     P, F = dh0_PF.shape
     D = wi_0_GDF.shape[1]
-    t = p.tiles(F, D, dh0_PF.dtype.itemsize, lhs=2, rhs=2, split_k=False)
+    t = p.tiles(F, D, dh0_PF.dtype.itemsize, lhs=2, rhs=2, split_k=False, lanes=lanes)
 
     def kernel(meta_ref, a_ref, b_ref, w0_ref, w1_ref, dx_ref, V):
         def body(rows, lead):

@@ -27,49 +27,69 @@ from typing import Iterator
 
 import jax
 import jax.numpy as jnp
+from jax.experimental.pallas import tpu as pltpu
 
 KERNELS = ("auto", "xla", "pallas", "interpret")
-_kernel: contextvars.ContextVar[str] = contextvars.ContextVar("shardlint_gmm_kernel",
-                                                              default="auto")
-# tm and bm forced for a scope (benchmarks and tests); None: the defaults
-_row_tile: contextvars.ContextVar[int | None] = contextvars.ContextVar("shardlint_gmm_tm",
-                                                                       default=None)
-_block_rows: contextvars.ContextVar[int | None] = contextvars.ContextVar("shardlint_gmm_bm",
-                                                                         default=None)
 
-# VMEM a kernel may use (v5e/v5p/v6e have 128 MiB per core, v4 32; the default scoped
-# limit is 16-32 MiB, too small for a whole 2048 x 1024 weight block double-buffered).
+# VMEM a kernel may use: the default scoped limit (16-32 MiB) is too small for a whole
+# 2048 x 1024 weight block double-buffered. A chip with less VMEM per core gets all of it
+# (`vmem_limit`; JAX's `pltpu.get_tpu_info`: 128 MiB on a v5e or v6e, 64 on a v5p, 16 on a
+# v4, where 28, the limit before, did not compile).
 VMEM_LIMIT = 64 * 2 ** 20
-_VMEM_LIMIT_V4 = 28 * 2 ** 20
 # The layout's row tile and the kernels' row block on a TPU (measured on a v5e: see
 # `plan`).
 TPU_TILE = 128
 TPU_BLOCK = 512
 
 
+@dataclasses.dataclass(frozen=True)
+class Scope:
+    """What `grouped_kernel` set: the kernel, and the row tile, row block and VMEM limit
+    forced (benchmarks and tests; None: the defaults)."""
+    kernel: str = "auto"
+    row_tile: int | None = None
+    block_rows: int | None = None
+    vmem_limit: int | None = None
+
+
+_scope: contextvars.ContextVar[Scope] = contextvars.ContextVar("shardlint_gmm_scope",
+                                                               default=Scope())
+
+
 @contextlib.contextmanager
-def grouped_kernel(name: str, *, row_tile: int | None = None,
-                   block_rows: int | None = None) -> Iterator[None]:
+def grouped_kernel(name: str, *, row_tile: int | None = None, block_rows: int | None = None,
+                   vmem_limit: int | None = None) -> Iterator[None]:
     """Inside, grouped matmuls use kernel `name` ("auto", "xla", "pallas", "interpret")
-    and, when given, row tiles of `row_tile` rows and row blocks of `block_rows` (a
-    multiple of the tile; default: one tile in interpret mode, `TPU_BLOCK` on a TPU): in
-    what is traced inside (a function jitted and traced before keeps its kernel)."""
+    and, when given, row tiles of `row_tile` rows, row blocks of `block_rows` (a multiple
+    of the tile; default: one tile in interpret mode, `TPU_BLOCK` on a TPU) and a VMEM
+    limit of `vmem_limit` bytes (default: this TPU's, `vmem_limit`; with no TPU attached,
+    `VMEM_LIMIT`, and a compile for a chip with less VMEM passes that chip's): in what is
+    traced inside (a function jitted and traced before keeps its kernel)."""
     if name not in KERNELS:
         raise ValueError(f"grouped kernel {name!r} is not one of {KERNELS}")
-    token, tm_token, bm_token = (_kernel.set(name), _row_tile.set(row_tile),
-                                 _block_rows.set(block_rows))
+    token = _scope.set(Scope(name, row_tile, block_rows, vmem_limit))
     try:
         yield
     finally:
-        _kernel.reset(token)
-        _row_tile.reset(tm_token)
-        _block_rows.reset(bm_token)
+        _scope.reset(token)
 
 
-def scope() -> tuple[str, int | None, int | None]:
-    """The kernel, row tile and row block `grouped_kernel` set for this scope (a cache key
-    for code that jits a function calling `plan`)."""
-    return _kernel.get(), _row_tile.get(), _block_rows.get()
+def scope() -> Scope:
+    """What `grouped_kernel` set for this scope (a cache key for code that jits a function
+    calling `plan`)."""
+    return _scope.get()
+
+
+def vmem_limit(capacity: int) -> int:
+    """The VMEM limit of a TPU with `capacity` bytes of VMEM per core (`VMEM_LIMIT`)."""
+    return min(VMEM_LIMIT, capacity)
+
+
+def _this_tpus_vmem_limit() -> int:
+    try:
+        return vmem_limit(pltpu.get_tpu_info().vmem_capacity_bytes)
+    except ValueError:   # a TPU that JAX's table does not list
+        return VMEM_LIMIT
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,16 +121,19 @@ class Plan:
         return self.tm * self.nsub
 
     def tiles(self, k: int, n: int, itemsize: int, *, lhs: int = 1, rhs: int = 1,
-              outs: int = 1, split_k: bool = True) -> Tiles | None:
+              outs: int = 1, split_k: bool = True, lanes: int | None = None) -> Tiles | None:
         """The largest blocks along K and N (whole, then halved, K only when `split_k`)
         whose double-buffered operands (`lhs` row blocks, `rhs` weight blocks, `outs`
         row blocks of output or epilogue input) and float32 products fit the VMEM limit;
-        None if none does."""
+        None if none does. With `lanes`, the output is stored as [P, N / lanes, lanes]
+        (`_gmm_grid.store`), and an N block is whole or 8 rows of lanes a multiple: the
+        TPU's tile of a block's last two dimensions."""
         tk, tn = k, n
+        n_unit = 128 if lanes is None else 8 * lanes
         while _vmem(self.bm, tk, tn, itemsize, lhs, rhs, outs) > self.vmem_limit * 0.75:
             if split_k and tk >= tn and tk % 256 == 0:
                 tk //= 2
-            elif tn % 256 == 0:
+            elif tn % (2 * n_unit) == 0:
                 tn //= 2
             elif split_k and tk % 256 == 0:
                 tk //= 2
@@ -132,12 +155,15 @@ class Plan:
         return Tiles(self.bm, tk, tn)
 
     def fits(self, dims: tuple[int, int], itemsize: int) -> bool:
-        """Whether every kernel of a SwiGLU with D x F = `dims` has blocks that fit."""
+        """Whether every kernel of a SwiGLU with D x F = `dims` has blocks that fit (the
+        two with [P, D] results stored in lanes of 128, as `_gmm.tiled_experts` stores
+        them)."""
         D, F = dims
         return None not in (self.tiles(D, F, itemsize, rhs=2, outs=3, split_k=False),
-                            self.tiles(F, D, itemsize),
+                            self.tiles(F, D, itemsize, lanes=128),
                             self.tiles(D, F, itemsize, outs=4, split_k=False),
-                            self.tiles(F, D, itemsize, lhs=2, rhs=2, split_k=False),
+                            self.tiles(F, D, itemsize, lhs=2, rhs=2, split_k=False,
+                                       lanes=128),
                             self.tgmm_tiles(D, F, itemsize), self.tgmm_tiles(F, D, itemsize))
 
 
@@ -160,21 +186,20 @@ def plan(rows: int, dims: tuple[int, int], num_groups: int, dtype, *,
     25.54 at (256, 512), 25.46 at (128, 512) and 25.91 at (256, 1024); at E=128 30.91 /
     28.77 / 28.82 ms at (256, 256) / (256, 512) / (128, 512), the last with 0.19 GiB less
     temp memory (less padding)."""
-    kernel = _kernel.get()
-    if kernel == "xla" or not weights_whole:
+    s = _scope.get()
+    if s.kernel == "xla" or not weights_whole:
         return None
-    if kernel == "interpret":
-        tm = _row_tile.get() or 8
-        return _visiting(Plan(tm, interpret=True, nsub=_nsub(tm, _block_rows.get() or tm)))
+    if s.kernel == "interpret":
+        tm = s.row_tile or 8
+        return _visiting(Plan(tm, interpret=True, nsub=_nsub(tm, s.block_rows or tm)))
     on_tpu = jax.default_backend() == "tpu"
-    if kernel == "auto" and not (on_tpu and jnp.dtype(dtype) == jnp.bfloat16):
+    if s.kernel == "auto" and not (on_tpu and jnp.dtype(dtype) == jnp.bfloat16):
         return None
     if any(d % 128 for d in dims):
         return None
-    tm = _row_tile.get() or TPU_TILE
-    bm = _block_rows.get() or max(tm, TPU_BLOCK)
-    limit = _VMEM_LIMIT_V4 if on_tpu and "v4" in jax.devices()[0].device_kind.lower() \
-        else VMEM_LIMIT
+    tm = s.row_tile or TPU_TILE
+    bm = s.block_rows or max(tm, TPU_BLOCK)
+    limit = s.vmem_limit or (_this_tpus_vmem_limit() if on_tpu else VMEM_LIMIT)
     p = Plan(tm, vmem_limit=limit, nsub=_nsub(tm, bm))
     while not p.fits(dims, jnp.dtype(dtype).itemsize) and p.nsub > 1:
         p = dataclasses.replace(p, nsub=p.nsub // 2)

@@ -40,11 +40,13 @@ def layer_vjp(layer, params, x, r, kernel: str, row_tile: int | None = None) -> 
     return jax.device_get(jax.jit(traced_step(layer, kernel, row_tile))(params, x, r))
 
 
-def traced_step(layer, kernel: str, row_tile: int | None = None):
+def traced_step(layer, kernel: str, row_tile: int | None = None,
+                vmem_limit: int | None = None):
     """(params, x, r) -> {"output": y, "grad params": dparams, "grad x": dx}, its grouped
-    matmuls on `kernel` when traced."""
+    matmuls on `kernel` (with `row_tile` and `vmem_limit`, `grouped_kernel`'s) when
+    traced."""
     def step(params, x, r):
-        with _gmm_plan.grouped_kernel(kernel, row_tile=row_tile):
+        with _gmm_plan.grouped_kernel(kernel, row_tile=row_tile, vmem_limit=vmem_limit):
             y, back = jax.vjp(layer, params, x)
             dparams, dx = back(r)
         return {"output": y, "grad params": dparams, "grad x": dx}
