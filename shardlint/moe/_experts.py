@@ -158,7 +158,7 @@ def sparse_experts(x_TD: jax.Array, weights_TK: jax.Array, experts_TK: jax.Array
             layout = _permute.padded_layout(group_M, num_experts, plan.tm, plan.bm)
             runs = _gather.runs(layout.pos_M.reshape(T, K), experts_TK, num_experts,
                                 _gather.token_tile(T, K, x_TD.shape[1] * x_TD.dtype.itemsize,
-                                                   plan.interpret))
+                                                   plan.interpret, plan.vmem_limit))
         # the sort, the experts and the combine: one VJP (its doc says why), scoped inside
         return _gmm.tiled_experts(x_TD, *weights, layout, runs, weights_TK, plan)
     y_MD = grouped_swiglu(x_TD, experts_TK.reshape(T * K), num_experts, *weights,

@@ -48,13 +48,21 @@ def lanes(d: int) -> int:
     return 128 if d % 128 == 0 else d
 
 
-def token_tile(tokens: int, k: int, row_bytes: int, interpret: bool) -> int:
-    """Tokens per grid step: the most (a power of two, 8 to 512) whose K rows each fit
-    `_BUFFER_BYTES`; 8 in interpret mode (tests: several steps at tiny sizes)."""
+def token_tile(tokens: int, k: int, row_bytes: int, interpret: bool,
+               vmem_limit: int) -> int:
+    """Tokens per grid step: the most (a power of two, 8 to 512) whose K rows fit
+    `_BUFFER_BYTES` and whose `gather_sum` fits 3/4 of `vmem_limit` (its buffer holds two
+    tiles' rows; the rows and the sums are written double-buffered: on a v4, 16 MiB of
+    VMEM, 128 tokens of 8 rows of 4 KiB took 17); 8 in interpret mode (tests: several
+    steps at tiny sizes)."""
     if interpret:
         return 8
+
+    def fits(tt: int) -> bool:
+        return (tt * k * row_bytes <= _BUFFER_BYTES
+                and (4 * tt * k + 2 * tt) * row_bytes <= 0.75 * vmem_limit)
     tt = 8
-    while tt < 512 and 2 * tt * k * row_bytes <= _BUFFER_BYTES:
+    while tt < 512 and fits(2 * tt):
         tt *= 2
     return min(tt, max(8, 1 << (tokens - 1).bit_length()))
 
