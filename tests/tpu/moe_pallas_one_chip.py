@@ -113,27 +113,30 @@ def traced_kernels(case: Case, kernel: str) -> int:
     return sum(len(pallas_paths.equations(jaxpr, p)) for p in ("pallas_call", "pure_callback"))
 
 
-def mosaic_kernels(case: Case, kernel: str) -> int:
+def mosaic_kernels(case: Case, kernel: str, vmem_limit: int | None = None) -> int:
     """shardlint's Mosaic kernels (`tpu_custom_call`s named shardlint_*) in the case's VJP
-    compiled for the TPU (`ragged_dot` compiles to Mosaic kernels of its own there)."""
-    step = jax.jit(pallas_paths.traced_step(case.layer, kernel))
+    compiled for the TPU (`ragged_dot` compiles to Mosaic kernels of its own there), at
+    the VMEM limit `vmem_limit` (None: the plan's)."""
+    step = jax.jit(pallas_paths.traced_step(case.layer, kernel, vmem_limit=vmem_limit))
     text = step.lower(*case.args).compile().as_text()
     return sum('custom_call_target="tpu_custom_call"' in line and "shardlint_" in line
                for line in text.splitlines())
 
 
 def compile_only(topology: str, shapes: dict[str, tuple[int, ...]] | None = None,
-                 names: tuple[str, ...] | None = None, **layer_kw: Any) -> list[str]:
+                 names: tuple[str, ...] | None = None, sizes: Sizes = Sizes(),
+                 vmem_limit: int | None = None, **layer_kw: Any) -> list[str]:
     """The names of the cases that failed (none: all passed), compiled with libtpu for
-    `topology` (no chip needed; the rest as for `cases`): the Pallas path
-    forced ("pallas": "auto" chooses by the backend, here the CPU) holds the Mosaic
-    kernels, the XLA path none."""
+    `topology` (no chip needed; the rest as for `cases`) at the VMEM limit `vmem_limit`
+    (None: the plan's without a TPU, `_gmm_plan.VMEM_LIMIT`): the Pallas path forced
+    ("pallas": "auto" chooses by the backend, here the CPU) holds the Mosaic kernels, the
+    XLA path none."""
     from shardlint.analyzer._topology import topology_devices
 
     fails = []
-    for case in cases(Sizes(), topology_devices(topology), shapes, abstract=True,
+    for case in cases(sizes, topology_devices(topology), shapes, abstract=True,
                       names=names, **layer_kw):
-        compiled = mosaic_kernels(case, "pallas")
+        compiled = mosaic_kernels(case, "pallas", vmem_limit)
         ok = compiled == KERNELS and traced_kernels(case, "xla") == 0
         print(f"{'PASS' if ok else 'FAIL'}: {case.name} on {topology} "
               f"{dict(case.layer.mesh.shape)}: {compiled} of shardlint's Mosaic kernels "

@@ -7,8 +7,10 @@ compile for a TPU with the Mosaic kernels in them (`python -m pytest -q -m tpu -
 from __future__ import annotations
 
 import pytest
+from jax.experimental.pallas import tpu as pltpu
 
 import moe_pallas_one_chip as one_chip
+from shardlint.moe import _gmm_plan
 
 
 def test_without_a_tpu_it_prints_one_skip_line(capsys):
@@ -42,3 +44,18 @@ def test_the_pallas_path_compiles_on_a_multi_chip_mesh(capsys):
     (`weight_axes=()`), as the Pallas path needs."""
     shapes = {"tokens over data x context": (2, 4), "experts over an expert axis": (2, 2, 2)}
     assert one_chip.compile_only("v5e:2x4", shapes, names=tuple(shapes), weight_axes=()) == []
+
+
+@pytest.mark.tpu
+def test_on_a_v4_the_kernels_fit_its_vmem(capsys):
+    """A v4 has 16 MiB of VMEM per core (JAX's `pltpu.get_tpu_info`; a v5e 128): at its
+    limit (`_gmm_plan.vmem_limit`) the kernels' blocks shrink to fit, at issue 43's sizes
+    (D=2048, F=1024, 64 experts, top-8), on a 2 x 2 mesh of v4 chips. (At 28 MiB, the v4's
+    limit before, libtpu refused one: "Used 17.68M of 16.00M vmem".)"""
+    v4 = pltpu.get_tpu_info_for_chip(pltpu.ChipVersion.TPU_V4, 1).vmem_capacity_bytes
+    limit = _gmm_plan.vmem_limit(v4)
+    assert limit == v4 == 16 * 2 ** 20
+    sizes = one_chip.Sizes(batch=2, seq=4096, emb=2048, mlp=1024, experts=64, top_k=8)
+    shapes = {"tokens over data x context": (2, 2)}
+    assert one_chip.compile_only("v4:2x2x1", shapes, names=tuple(shapes), sizes=sizes,
+                                 vmem_limit=limit, weight_axes=()) == []
