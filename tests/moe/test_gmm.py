@@ -106,6 +106,19 @@ def test_kernels_with_blocks_split_along_k_and_n(moe_testlib):
     moe_testlib.assert_tree_close(dw, dw_ref, rtol=1e-4, atol=1e-3)
 
 
+def test_an_output_stored_in_lanes_is_split_along_n_in_whole_tiles_of_lanes():
+    """A block of a [P, N / 128, 128] output is whole along N or 8 rows of 128 lanes, a TPU
+    tile: with a v4's 16 MiB of VMEM, dx's blocks at D=2048 are 1024 wide and the row block
+    shrinks to one tile to fit, where a [P, N] output would take blocks 256 wide."""
+    p = _gmm_plan.Plan(128, nsub=4, vmem_limit=16 * 2 ** 20)
+    dx = dict(lhs=2, rhs=2, split_k=False)
+    assert p.tiles(1024, 2048, 2, **dx) == _gmm_plan.Tiles(512, 1024, 256)
+    assert p.tiles(1024, 2048, 2, **dx, lanes=128) is None and not p.fits((2048, 1024), 2)
+    one_tile = dataclasses.replace(p, nsub=1)
+    assert one_tile.tiles(1024, 2048, 2, **dx, lanes=128) == _gmm_plan.Tiles(128, 1024, 1024)
+    assert one_tile.fits((2048, 1024), 2)
+
+
 @pytest.mark.parametrize("padding", [False, True])
 def test_sort_swiglu_and_combine_as_one_vjp_equal_the_three_apart(moe_testlib, padding):
     """`tiled_experts` (rows back out of the slots by `_gather.gather_sum`, written as
