@@ -47,15 +47,19 @@ def test_the_pallas_path_compiles_on_a_multi_chip_mesh(capsys):
 
 
 @pytest.mark.tpu
-def test_on_a_v4_the_kernels_fit_its_vmem(capsys):
-    """A v4 has 16 MiB of VMEM per core (JAX's `pltpu.get_tpu_info`; a v5e 128): at its
-    limit (`_gmm_plan.vmem_limit`) the kernels' blocks shrink to fit, at issue 43's sizes
-    (D=2048, F=1024, 64 experts, top-8), on a 2 x 2 mesh of v4 chips. (At 28 MiB, the v4's
-    limit before, libtpu refused one: "Used 17.68M of 16.00M vmem".)"""
-    v4 = pltpu.get_tpu_info_for_chip(pltpu.ChipVersion.TPU_V4, 1).vmem_capacity_bytes
-    limit = _gmm_plan.vmem_limit(v4)
-    assert limit == v4 == 16 * 2 ** 20
+@pytest.mark.parametrize("topology, chip, limit_mib", [
+    ("v4:2x2x1", "TPU_V4", 16), ("v5e:2x2", "TPU_V5E", 64), ("v5p:2x2x1", "TPU_V5P", 64),
+    ("v6e:2x2", "TPU_V6E", 64)])
+def test_at_issue_43s_sizes_the_kernels_fit_each_chips_vmem(topology, chip, limit_mib):
+    """At issue 43's sizes (D=2048, F=1024, 64 experts, top-8), on a 2 x 2 mesh of each
+    chip, at its limit (`_gmm_plan.vmem_limit` of its VMEM per core, JAX's
+    `pltpu.get_tpu_info`: 16 MiB on a v4, where the kernels' blocks and the combine's token
+    tiles shrink to fit; at 28 MiB, the v4's limit before, libtpu refused the SwiGLU: "Used
+    17.68M of 16.00M vmem")."""
+    info = pltpu.get_tpu_info_for_chip(getattr(pltpu.ChipVersion, chip), 1)
+    limit = _gmm_plan.vmem_limit(info.vmem_capacity_bytes)
+    assert limit == limit_mib * 2 ** 20
     sizes = one_chip.Sizes(batch=2, seq=4096, emb=2048, mlp=1024, experts=64, top_k=8)
     shapes = {"tokens over data x context": (2, 2)}
-    assert one_chip.compile_only("v4:2x2x1", shapes, names=tuple(shapes), sizes=sizes,
+    assert one_chip.compile_only(topology, shapes, names=tuple(shapes), sizes=sizes,
                                  vmem_limit=limit, weight_axes=()) == []
