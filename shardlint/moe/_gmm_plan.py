@@ -126,8 +126,8 @@ class Plan:
         whose double-buffered operands (`lhs` row blocks, `rhs` weight blocks, `outs`
         row blocks of output or epilogue input) and float32 products fit the VMEM limit;
         None if none does. With `lanes`, the output is stored as [P, N / lanes, lanes]
-        (`_gmm_grid.store`), and an N block is whole or 8 rows of lanes a multiple: the
-        TPU's tile of a block's last two dimensions."""
+        (`_gmm_grid.store`), and an N block is all of N or a multiple of 8 rows of lanes:
+        the TPU's tile of a block's last two dimensions is 8 x 128."""
         tk, tn = k, n
         n_unit = 128 if lanes is None else 8 * lanes
         while _vmem(self.bm, tk, tn, itemsize, lhs, rhs, outs) > self.vmem_limit * 0.75:
