@@ -137,11 +137,12 @@ def _gathered_shapes(graph, operand, element, lost, mesh: MeshInfo) -> set[str]:
     residual stream)."""
     before = sharding_of(graph, operand, element)
     dims = dims_of(graph, operand, element)
+    axes_of = before.dims + ((),) * (len(dims) - len(before.dims))
     sizes = mesh.as_dict()
     shapes = set()
     for n in range(1, len(lost) + 1):
         for gathered in itertools.combinations(lost, n):
-            kept = tuple(d // math.prod(sizes.get(a, 1) for a in axes if a not in gathered)
-                         for d, axes in zip(dims, before.dims + ((),) * (len(dims) - len(before.dims))))
+            kept = (d // math.prod(sizes.get(a, 1) for a in axes if a not in gathered)
+                    for d, axes in zip(dims, axes_of))
             shapes.add(f"[{','.join(map(str, kept))}]")
     return shapes

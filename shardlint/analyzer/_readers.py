@@ -221,7 +221,7 @@ def _needs_whole(instr: Instruction, via: str | None = None, module: HloModule |
             and not (via is not None and _stores_whole(instr, via, module)))
 
 
-def _stores_whole(instr: Instruction, via: str | None, module: HloModule) -> bool:
+def _stores_whole(instr: Instruction, via: str, module: HloModule) -> bool:
     """A dynamic-update-slice that writes the value `via` as its update, as long as the
     buffer along every dimension but ones of length 1 (a scan stacking a layer's value for
     the backward, at the layer's index): it writes the value's shards where they are and

@@ -33,7 +33,7 @@ KERNELS = ("auto", "xla", "pallas", "interpret")
 
 # VMEM a kernel may use: the default scoped limit (16-32 MiB) is too small for a whole
 # 2048 x 1024 weight block double-buffered. A chip with less VMEM per core gets all of it
-# (`vmem_limit`; JAX's `pltpu.get_tpu_info`: 128 MiB on a v5e or v6e, 64 on a v5p, 16 on a
+# (`vmem_limit_of`; JAX's `pltpu.get_tpu_info`: 128 MiB on a v5e or v6e, 64 on a v5p, 16 on a
 # v4, where 28, the limit before, did not compile).
 VMEM_LIMIT = 64 * 2 ** 20
 # The layout's row tile and the kernels' row block on a TPU (measured on a v5e: see
@@ -62,7 +62,7 @@ def grouped_kernel(name: str, *, row_tile: int | None = None, block_rows: int | 
     """Inside, grouped matmuls use kernel `name` ("auto", "xla", "pallas", "interpret")
     and, when given, row tiles of `row_tile` rows, row blocks of `block_rows` (a multiple
     of the tile; default: one tile in interpret mode, `TPU_BLOCK` on a TPU) and a VMEM
-    limit of `vmem_limit` bytes (default: this TPU's, `vmem_limit`; with no TPU attached,
+    limit of `vmem_limit` bytes (default: this TPU's, `vmem_limit_of`; with no TPU attached,
     `VMEM_LIMIT`, and a compile for a chip with less VMEM passes that chip's): in what is
     traced inside (a function jitted and traced before keeps its kernel)."""
     if name not in KERNELS:
@@ -80,14 +80,14 @@ def scope() -> Scope:
     return _scope.get()
 
 
-def vmem_limit(capacity: int) -> int:
+def vmem_limit_of(capacity: int) -> int:
     """The VMEM limit of a TPU with `capacity` bytes of VMEM per core (`VMEM_LIMIT`)."""
     return min(VMEM_LIMIT, capacity)
 
 
 def _this_tpus_vmem_limit() -> int:
     try:
-        return vmem_limit(pltpu.get_tpu_info().vmem_capacity_bytes)
+        return vmem_limit_of(pltpu.get_tpu_info().vmem_capacity_bytes)
     except ValueError:   # a TPU that JAX's table does not list
         return VMEM_LIMIT
 

@@ -52,12 +52,12 @@ def test_the_pallas_path_compiles_on_a_multi_chip_mesh(capsys):
     ("v6e:2x2", "TPU_V6E", 64)])
 def test_at_issue_43s_sizes_the_kernels_fit_each_chips_vmem(topology, chip, limit_mib):
     """At issue 43's sizes (D=2048, F=1024, 64 experts, top-8), on a 2 x 2 mesh of each
-    chip, at its limit (`_gmm_plan.vmem_limit` of its VMEM per core, JAX's
+    chip, at its limit (`_gmm_plan.vmem_limit_of` of its VMEM per core, JAX's
     `pltpu.get_tpu_info`: 16 MiB on a v4, where the kernels' blocks and the combine's token
     tiles shrink to fit; at 28 MiB, the v4's limit before, libtpu refused the SwiGLU: "Used
     17.68M of 16.00M vmem")."""
     info = pltpu.get_tpu_info_for_chip(getattr(pltpu.ChipVersion, chip), 1)
-    limit = _gmm_plan.vmem_limit(info.vmem_capacity_bytes)
+    limit = _gmm_plan.vmem_limit_of(info.vmem_capacity_bytes)
     assert limit == limit_mib * 2 ** 20
     sizes = one_chip.Sizes(batch=2, seq=4096, emb=2048, mlp=1024, experts=64, top_k=8)
     shapes = {"tokens over data x context": (2, 2)}
