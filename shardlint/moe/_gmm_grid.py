@@ -79,37 +79,39 @@ def _runs(start_I: jax.Array, used_I: jax.Array):
 
 
 def each_visit(p: Plan, meta_ref, v, V: int, body) -> None:
-    """body(rows, lead) for visit v: `rows` a pl.ds of its rows within the block, of
-    static size; `lead`: whether they are the visit's first (a kernel that accumulates
-    over a visit starts there). A visit of the whole block is one call; a shorter one
+    """body(rows, lead, tail) for visit v: `rows` a pl.ds of its rows within the block,
+    of static size; `lead` and `tail`: whether they are the visit's first and its last (a
+    kernel that accumulates over a visit starts at the first and stores at the last). A
+    visit of the whole block is one call; a shorter one
     is one call per power of two in its tile count with `p.pow2` (two bodies more at
     blocks of 4 tiles: runs of 2 and of 1), else one call for its tile count with blocks
     of two tiles, else a loop of one call per tile: Mosaic unrolls each call's products,
     and a copy of the body per tile count (four at 128-row tiles in 512-row blocks) made
     the kernels with two products 44% slower on a v5e."""
     if p.nsub == 1:
-        body(pl.ds(0, p.tm), True)
+        body(pl.ds(0, p.tm), True, True)
         return
     first, count = meta_ref[2 * V + v], meta_ref[3 * V + v]
-    pl.when(count == p.nsub)(functools.partial(body, pl.ds(0, p.bm), True))
+    pl.when(count == p.nsub)(functools.partial(body, pl.ds(0, p.bm), True, True))
     if p.pow2 and p.nsub & (p.nsub - 1) == 0:
         size = p.nsub // 2
         while size:
             done = count & ~(2 * size - 1)     # the tiles of the larger powers, first
             pl.when((count < p.nsub) & (count & size != 0))(functools.partial(
                 body, pl.ds(pl.multiple_of((first + done) * p.tm, p.tm), size * p.tm),
-                done == 0))
+                done == 0, count & (size - 1) == 0))
             size //= 2
         return
     if p.nsub == 2:
         pl.when(count == 1)(functools.partial(
-            body, pl.ds(pl.multiple_of(first * p.tm, p.tm), p.tm), True))
+            body, pl.ds(pl.multiple_of(first * p.tm, p.tm), p.tm), True, True))
         return
 
     @pl.when(count < p.nsub)
     def _():
         def tile(i, carry):
-            body(pl.ds(pl.multiple_of((first + i) * p.tm, p.tm), p.tm), i == 0)
+            body(pl.ds(pl.multiple_of((first + i) * p.tm, p.tm), p.tm), i == 0,
+                 i == count - 1)
             return carry
         jax.lax.fori_loop(0, count, tile, 0)
 

@@ -274,11 +274,13 @@ def test_visits_take_each_tile_in_use_once_by_block_and_group(nsub):
     assert np.all(np.diff(group) >= 0) and set(group) == set(range(G))
 
 
-@pytest.mark.parametrize("block_rows", [16, 32, 64])
+@pytest.mark.parametrize("block_rows", [16, 24, 32, 64])
 def test_grouped_swiglu_pallas_in_blocks_of_several_tiles_matches_ragged_dot(moe_testlib,
                                                                              block_rows):
-    """Blocks of 2, 4 and 8 tiles: visits of every size (a loop over tiles for a short
-    visit of a block of more than 2)."""
+    """Blocks of 2, 3, 4 and 8 tiles: visits of every size (a short visit one product per
+    power of two in its tile count; in blocks of 3 tiles, a loop of one product per tile),
+    and the weight gradients' runs of as many tiles, each group's last product added to
+    its accumulator as the gradient is stored."""
     x, w, group_M, G, R, ct = _swiglu_case()
 
     def vjp(kernel):
