@@ -29,11 +29,11 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from shardlint.moe import _experts, _gmm, _gmm_plan, _permute  # noqa: E402
+from shardlint.moe import _experts, _gmm, _gmm_kernels, _gmm_plan, _permute  # noqa: E402
 from _common import median_seconds  # noqa: E402
 
 PEAK = 197e12
-_CUR = _gmm._silu_parts   # the library's: the sigmoid as 0.5 tanh(h0 / 2) + 0.5
+_CUR = _gmm_kernels.silu_parts   # the library's: the sigmoid as 0.5 tanh(h0 / 2) + 0.5
 
 
 def _with_sigmoid(sigmoid):
@@ -82,14 +82,18 @@ def case(T, E, K, D, F, tm=128, bm=512):
 def kernels(lay, a, p, E):
     tg, nt = lay.tile_group_I, lay.num_tiles
     return {
-        "up": (lambda x, w0, w1: _gmm._up(x, w0, w1, tg, nt, p), (a["x"], a["wi_0"], a["wi_1"]), 2),
-        "gmm": (lambda h, w: _gmm._gmm(h, w, tg, nt, p, transpose_rhs=False), (a["h"], a["wo"]), 1),
-        "down_grad": (lambda dy, w, h0, h1: _gmm._down_grad(dy, w, h0, h1, tg, nt, p),
+        "up": (lambda x, w0, w1: _gmm_kernels.up(x, w0, w1, tg, nt, p),
+               (a["x"], a["wi_0"], a["wi_1"]), 2),
+        "gmm": (lambda h, w: _gmm_kernels.gmm(h, w, tg, nt, p, transpose_rhs=False),
+                (a["h"], a["wo"]), 1),
+        "down_grad": (lambda dy, w, h0, h1: _gmm_kernels.down_grad(dy, w, h0, h1, tg, nt, p),
                       (a["dy"], a["wo"], a["dh0"], a["dh1"]), 1),
-        "up_grad": (lambda d0, d1, w0, w1: _gmm._up_grad(d0, d1, w0, w1, tg, nt, p),
+        "up_grad": (lambda d0, d1, w0, w1: _gmm_kernels.up_grad(d0, d1, w0, w1, tg, nt, p),
                     (a["dh0"], a["dh1"], a["wi_0"], a["wi_1"]), 2),
-        "tgmm x,dh0": (lambda x, d: _gmm._tgmm(x, d, tg, nt, E, p, jnp.bfloat16), (a["x"], a["dh0"]), 1),
-        "tgmm h,dy": (lambda h, d: _gmm._tgmm(h, d, tg, nt, E, p, jnp.bfloat16), (a["h"], a["dy"]), 1),
+        "tgmm x,dh0": (lambda x, d: _gmm_kernels.tgmm(x, d, tg, nt, E, p, jnp.bfloat16),
+                       (a["x"], a["dh0"]), 1),
+        "tgmm h,dy": (lambda h, d: _gmm_kernels.tgmm(h, d, tg, nt, E, p, jnp.bfloat16),
+                      (a["h"], a["dy"]), 1),
     }
 
 
@@ -159,12 +163,12 @@ def main(argv=None):
             p = plan_of("base")
             ks = kernels(lay, a, p, E)
             for sname in args.silu.split(","):
-                _gmm._silu_parts = SILU[sname]
+                _gmm_kernels.silu_parts = SILU[sname]
                 for name in ("up", "down_grad"):
                     f, xs, prods = ks[name]
                     if (ms := _median_ms(f"silu={sname:<9}{name:<12}", jax.jit(f), *xs)) is not None:
                         print(f"  silu={sname:<9}{name:<12}{ms:8.3f} ms {prods * fl / ms / 1e9:7.1f} TF/s", flush=True)
-            _gmm._silu_parts = _CUR
+            _gmm_kernels.silu_parts = _CUR
         if "swiglu" in what:
             ct = a["dy"]
             w = (a["wi_0"], a["wi_1"], a["wo"])
@@ -173,7 +177,7 @@ def main(argv=None):
                 sname = "cur"
                 if "+" in spec:
                     spec, sname = spec.split("+")
-                _gmm._silu_parts = SILU[sname]
+                _gmm_kernels.silu_parts = SILU[sname]
                 fn = swiglu_vjp(lay, plan_of(spec))
                 if (ms := _median_ms(f"swiglu {spec}: ", fn, w, a["x"], ct)) is not None:
                     out = fn(w, a["x"], ct)
@@ -185,7 +189,7 @@ def main(argv=None):
                               for u, r in zip(jax.tree.leaves(out), jax.tree.leaves(ref)))
                     print(f"  swiglu fwd+bwd {spec + '+' + sname:<20}{ms:8.3f} ms "
                           f"{3 * 3 * fl / ms / 1e9:7.1f} TF/s  (vs the first: {err:.2e})", flush=True)
-                _gmm._silu_parts = _CUR
+                _gmm_kernels.silu_parts = _CUR
             if E == 64:
                 H = K * F
                 kd = jax.random.split(jax.random.key(2), 4)

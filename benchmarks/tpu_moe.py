@@ -57,7 +57,7 @@ from jax.sharding import AxisType
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
 from shardlint import moe  # noqa: E402
-from shardlint.moe import _experts, _gmm, _gmm_plan, _permute  # noqa: E402
+from shardlint.moe import _experts, _gmm, _gmm_kernels, _gmm_plan, _permute  # noqa: E402
 
 PEAKS = (("v4", 275e12), ("v5 lite", 197e12), ("v5e", 197e12), ("v5p", 459e12),
          ("v5", 459e12), ("v6 lite", 918e12), ("v6e", 918e12))
@@ -289,13 +289,13 @@ class Bench:
             h_PF = jnp.ones((x_PD.shape[0], F), jnp.bfloat16)
             tg, nt = lay.tile_group_I, lay.num_tiles
             kernels = [
-                ("up NN", lambda x, v: _gmm._gmm(x, v, tg, nt, p, transpose_rhs=False),
+                ("up NN", lambda x, v: _gmm_kernels.gmm(x, v, tg, nt, p, transpose_rhs=False),
                  (x_PD, w["wi_0"])),
-                ("down NN", lambda x, v: _gmm._gmm(x, v, tg, nt, p, transpose_rhs=False),
+                ("down NN", lambda x, v: _gmm_kernels.gmm(x, v, tg, nt, p, transpose_rhs=False),
                  (h_PF, w["wo"])),
-                ("dx NT", lambda x, v: _gmm._gmm(x, v, tg, nt, p, transpose_rhs=True),
+                ("dx NT", lambda x, v: _gmm_kernels.gmm(x, v, tg, nt, p, transpose_rhs=True),
                  (h_PF, w["wi_0"])),
-                ("dW TN", lambda x, y: _gmm._tgmm(x, y, tg, nt, E, p, jnp.bfloat16),
+                ("dW TN", lambda x, y: _gmm_kernels.tgmm(x, y, tg, nt, E, p, jnp.bfloat16),
                  (x_PD, h_PF))]
             for name, f, args in kernels:
                 try:

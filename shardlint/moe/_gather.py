@@ -8,7 +8,7 @@ wrote 0.36 ms more (`benchmarks/tpu_moe_profile.py`), 4x per index the cost of a
 out of the T tokens. A kernel cannot copy single rows out of a [P, D] array either: the
 chip's memory holds it in tiles of 16 bf16 rows (Mosaic refuses a copy of one row). Here
 the table is [P, C, L] with C * L = D (L = 128 lanes on a TPU): each of its rows is whole
-tiles, and the kernels that write the P slots write them so (`_gmm`, `lanes`).
+tiles, and the kernels that write the P slots write them so (`_gmm_kernels`, `lanes`).
 
 The rows one tile of `tt` tokens needs are few contiguous runs: the layout keeps each
 group's rows in token order (`_permute.padded_layout` is stable), so the choices of

@@ -1,4 +1,4 @@
-"""The grid of `_gmm`'s kernels: visits, blocks and the pallas_call around a kernel body.
+"""The grid of `_gmm_kernels`' kernels: visits, blocks and the pallas_call around a kernel body.
 
 A kernel's grid runs over "visits" (`visits`): the tiles of one block of `p.bm` rows that
 belong to one group, in order, read by the kernel through scalar prefetch as one int32

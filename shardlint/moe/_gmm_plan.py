@@ -1,4 +1,4 @@
-"""The choice of grouped-matmul kernel for a call, and its tiles (the kernels are `_gmm`).
+"""The choice of grouped-matmul kernel for a call, and its tiles (the kernels are `_gmm_kernels`).
 
 Which kernel runs is chosen per call (`plan`): the Pallas kernels on a TPU for bfloat16
 whose D and F tile by 128 and whose weights are whole on the device (inside `shard_map`
@@ -28,6 +28,8 @@ from typing import Iterator
 import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import tpu as pltpu
+
+from . import _gather
 
 KERNELS = ("auto", "xla", "pallas", "interpret")
 
@@ -156,14 +158,15 @@ class Plan:
 
     def fits(self, dims: tuple[int, int], itemsize: int) -> bool:
         """Whether every kernel of a SwiGLU with D x F = `dims` has blocks that fit (the
-        two with [P, D] results stored in lanes of 128, as `_gmm.tiled_experts` stores
-        them)."""
+        two with [P, D] results stored in lanes, `_gather.lanes`, as `_gmm.tiled_experts`
+        stores them)."""
         D, F = dims
+        lanes = _gather.lanes(D)
         return None not in (self.tiles(D, F, itemsize, rhs=2, outs=3, split_k=False),
-                            self.tiles(F, D, itemsize, lanes=128),
+                            self.tiles(F, D, itemsize, lanes=lanes),
                             self.tiles(D, F, itemsize, outs=4, split_k=False),
                             self.tiles(F, D, itemsize, lhs=2, rhs=2, split_k=False,
-                                       lanes=128),
+                                       lanes=lanes),
                             self.tgmm_tiles(D, F, itemsize), self.tgmm_tiles(F, D, itemsize))
 
 
@@ -209,7 +212,7 @@ def plan(rows: int, dims: tuple[int, int], num_groups: int, dtype, *,
 def _visiting(p: Plan) -> Plan:
     """p with short visits as power-of-two runs of tiles and the weight gradient's visits
     counted from each group's first tile, where blocks hold several tiles. On a v5e (E=64,
-    top-8, T=8192, D=2048, F=1024; `benchmarks/tpu_gmm_probe.py`) each `_tgmm` alone took
+    top-8, T=8192, D=2048, F=1024; `benchmarks/tpu_gmm_probe.py`) each `tgmm` alone took
     2.79 ms over blocks of 4 tiles (a short visit a loop of 128-row products, each a
     read-modify-write of the [K, N] float32 accumulator), 2.77 with power-of-two runs,
     2.51 with runs of 4 from each group's first tile (one short run per group), 4.33 with

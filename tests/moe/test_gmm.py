@@ -18,7 +18,7 @@ import pytest
 
 import pallas_paths
 from shardlint import moe
-from shardlint.moe import _experts, _gather, _gmm, _gmm_grid, _gmm_plan, _permute
+from shardlint.moe import _experts, _gather, _gmm, _gmm_grid, _gmm_kernels, _gmm_plan, _permute
 
 
 def _groups(seed: int, M: int, G: int, padding: bool) -> jax.Array:
@@ -82,8 +82,8 @@ def test_grouped_swiglu_pallas_matches_ragged_dot(moe_testlib, source):
 
 
 def test_kernels_with_blocks_split_along_k_and_n(moe_testlib):
-    """A VMEM limit that forces K and N into blocks: the accumulating path of `_gmm`
-    and `_tgmm` give the same products."""
+    """A VMEM limit that forces K and N into blocks: the accumulating path of `gmm`
+    and `tgmm` give the same products."""
     x, (w0, _, _), group_M, G, R, _ = _swiglu_case()
     p = _gmm_plan.Plan(8, interpret=True, vmem_limit=400_000)
     assert p.tiles(256, 256, 4) == p.tgmm_tiles(256, 256, 4) == _gmm_plan.Tiles(8, 128, 128)
@@ -96,11 +96,11 @@ def test_kernels_with_blocks_split_along_k_and_n(moe_testlib):
     sizes = jnp.bincount(group_M, length=G + 1)[:G].astype(jnp.int32)
     order = jnp.argsort(group_M, stable=True)
     y_ref = jax.lax.ragged_dot(xk[order], wk, sizes)
-    y = _gmm._gmm(x_PK, wk, *meta, p, transpose_rhs=False)
+    y = _gmm_kernels.gmm(x_PK, wk, *meta, p, transpose_rhs=False)
     valid = np.asarray(group_M)[np.asarray(order)] < G
     rows = np.asarray(lay.pos_M)[np.asarray(order)][valid]
     moe_testlib.assert_tree_close(np.asarray(y)[rows], np.asarray(y_ref)[valid], rtol=1e-4, atol=1e-4)
-    dw = _gmm._tgmm(x_PK, y, *meta, G, p, jnp.float32)
+    dw = _gmm_kernels.tgmm(x_PK, y, *meta, G, p, jnp.float32)
     dw_ref = jax.vjp(lambda v: jax.lax.ragged_dot(xk[order], v, sizes), wk)[1](
         jnp.where(valid[:, None], y_ref, 0))[0]
     moe_testlib.assert_tree_close(dw, dw_ref, rtol=1e-4, atol=1e-3)
