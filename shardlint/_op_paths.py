@@ -35,6 +35,20 @@ def is_backward(op_path: str) -> bool:
     return "transpose(" in op_path.split(";", 1)[0]
 
 
+def members_of(op_path: str) -> tuple[str, ...]:
+    """The op paths a collective's name stands for: XLA names one it merged from several
+    `prefix/(a/op1:b/op2)` -> (`prefix/a/op1`, `prefix/b/op2`), and joins merged names with
+    ';' (JAX 0.12); any other path stands for itself."""
+    found = []
+    for name in op_path.split(";"):
+        prefix, _, rest = name.partition("/(")
+        if rest.endswith(")") and _balanced(rest[:-1]):
+            found += [f"{prefix}/{m}" for m in _split_top_level(rest[:-1], ":")]
+        else:
+            found.append(name)
+    return tuple(found)
+
+
 def normalize_op_path(op_path: str) -> str:
     """`jit(step)/transpose(jvp(moe/route))/reshape` -> `step/moe/route/reshape`."""
     text, previous = op_path, None

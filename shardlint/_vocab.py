@@ -30,6 +30,7 @@ class FindingKind(enum.StrEnum):
     UNSPLIT = "unsplit-op"                     # the partitioner could not split the op: it gathered inputs
     RESHARDED = "resharded-operand"            # the op's operands came sharded differently: one was moved
     REMATERIALIZED = "full-rematerialization"  # XLA logged an involuntary full rematerialization
+    CONTRACTED = "contracted-tokens"           # a dispatch summed sharded tokens away: experts replicated
 
 
 class CollectiveKind(enum.StrEnum):

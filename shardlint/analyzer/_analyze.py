@@ -17,10 +17,12 @@ import jaxlib
 from .. import _jax
 from .._vocab import ArgumentRole
 from .._errors import AnalysisError, HloParseError
+from ._attribution import attribute
 from ._buffers import memory_of_buffer_assignment, parse_buffer_assignment
 from ._causes import explain, with_gathered_tokens
 from ._collectives import collectives_of
 from ._compile import Compiled, compile_step
+from ._contracted import find_contracted_tokens
 from ._dataflow import provenance
 from ._detect import find_lost_sharding
 from ._dump import read_dump
@@ -97,6 +99,8 @@ def _explain(compiled: Compiled, versions: dict[str, str], progress) -> Analysis
             (a.file, a.line) for a in compiled.asked if a.op in ("sharding_constraint", "reshard"))
         drops, requested, collectives = find_lost_sharding(graph, compiled.mesh, collectives,
                                                            asked_lines, flow.is_weight)
+        contracted = find_contracted_tokens(graph, compiled.mesh, collectives)
+        drops, collectives = drops + contracted, attribute(collectives, contracted)
     collectives, findings, requested = explain(
         collectives, partitioned, flow, drops, requested, compiled.asked, graph,
         compiled.remats, compiled.mesh.as_dict())
@@ -123,6 +127,7 @@ def _explain(compiled: Compiled, versions: dict[str, str], progress) -> Analysis
         topology=compiled.topology,
         dump=None if compiled.mesh_object is not None else dumped.folder,
         unread=() if compiled.mesh_object is not None else dumped.unread(),
+        does_not_fit=compiled.does_not_fit,
     )
 
 

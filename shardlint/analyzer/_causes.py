@@ -5,9 +5,10 @@ many gathers are placed by the SPMD partitioner for an op whose operand and resu
 sharded in the propagated module (a scatter, a gather, a reduce-window, a dynamic-slice,
 a custom call), and only the partitioned module shows them. For each collective, in order:
 
-- `reduction`: an all-reduce or reduce-scatter of partial sums;
 - `lost`, at once, for what a propagation drop moves (`_detect.py`): XLA's propagated
-  module says the op dropped the axis of that value;
+  module says the op dropped the axis of that value; and for the partial sums of a routed
+  dispatch that contracted sharded tokens (`_contracted.py`);
+- `reduction`: any other all-reduce or reduce-scatter of partial sums;
 - `weights`: it moves a step parameter that nothing computed from (FSDP, ZeRO), as the
   provenance of its value says (`_dataflow.py`), for an op that may want a weight whole
   (a contraction, an embedding's gather). An argument that the program treats as tokens,
@@ -100,10 +101,12 @@ def with_gathered_tokens(flow: Provenance, collectives: tuple[Collective, ...]) 
 
 def _cause(c: Collective, weight: bool, own: tuple, dropped_by, asks,
            gathered: frozenset[int] = frozenset()) -> tuple[str, _Ask | None]:
+    if c.id in dropped_by:
+        # XLA's propagation dropped the axis of what it moves (tokens), or it sums the
+        # partial sums of a dispatch that contracted sharded tokens (`_contracted.py`)
+        return Cause.LOST, None
     if c.kind in _REDUCTIONS:
         return Cause.REDUCTION, None
-    if c.id in dropped_by:
-        return Cause.LOST, None   # XLA's propagation dropped the axis of what it moves: tokens
     if weight:
         return Cause.WEIGHTS, None
     asked_kind = Cause.REQUESTED if c.kind == CollectiveKind.ALL_GATHER else Cause.LAYOUT

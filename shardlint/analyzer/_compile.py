@@ -10,6 +10,12 @@ what the code asked for) and what XLA's partitioner logged on C++ stderr. The du
 restricted to the propagation pass so the overhead over a bare compile stays small (see
 benchmarks/analysis_overhead.py).
 
+A step the compiler refuses for lack of memory (a TPU compile's `RESOURCE_EXHAUSTED`) is
+still analyzed: libtpu dumps the partitioned program, its buffer assignment and live
+ranges before it refuses (measured with libtpu 0.0.50), so the findings, the collectives
+and the buffers at the peak are read as for any step, the memory comes from that buffer
+assignment, and `Compiled.does_not_fit` keeps the compiler's own figures.
+
 The step is lowered as `jax.jit(step).lower(*args)` lowers it, with no mesh in context
 unless it needs one (`_lower`), and compiled in the same context.
 
@@ -20,6 +26,7 @@ options, so a hit would skip the passes whose output the analysis reads.
 from __future__ import annotations
 
 import dataclasses
+import re
 import shutil
 import tempfile
 from typing import Any, Callable
@@ -33,7 +40,8 @@ from ._devices import MeshInfo
 from ._dump import PROPAGATION_PASSES, DumpedModule, read_dump
 from ._jaxpr import grouped_matmul_sources
 from ._lower import lower_as_jit
-from ._model import Memory
+from ._buffers import memory_of_buffer_assignment
+from ._model import Memory, NoFit
 from ._stablehlo import Asked, asked_for
 from ._topology import check_libtpu, topology_of
 from ._xla_log import Remat, captured_stderr, involuntary_rematerializations
@@ -61,6 +69,7 @@ class Compiled:
     argument_leaves: int = 0         # how many leaves the step's arguments have (live)
     remats: tuple[Remat, ...] = ()   # "Involuntary full rematerialization" logged by XLA
     mesh_object: Any = None          # the jax.sharding.Mesh the arguments live on
+    does_not_fit: NoFit | None = None   # the compiler refused it for lack of memory
 
 
 def mesh_of(args) -> Any:
@@ -98,12 +107,23 @@ def compile_step(fn: Callable, args: tuple, mesh=None, progress=None,
             if progress:
                 progress(f"compiling for {info.num_devices} devices on mesh {info.as_dict()}"
                          + (f" with the TPU compiler for {topology}" if topology else ""))
+            compiled = refused = None
             try:
                 with _jax.persistent_cache_off(), captured_stderr() as log:
                     compiled = lowered.compile(compiler_options=_DUMP_OPTIONS | {"xla_dump_to": dump_dir})
             except Exception as e:
-                raise compile_error(e, info, topology) from e
-        dumped = read_dump(dump_dir, compiled_only=True)
+                refused = no_fit(e)
+                if refused is None:
+                    raise compile_error(e, info, topology) from e
+                if progress:
+                    progress(f"the compiler refused the step for lack of memory ({refused.message}); "
+                             "reading what it partitioned and assigned before it refused")
+                try:   # a TPU compile dumps the partitioned program and its buffers first
+                    dumped = read_dump(dump_dir, compiled_only=True)
+                except AnalysisError:
+                    raise compile_error(e, info, topology) from e
+        if compiled is not None:
+            dumped = read_dump(dump_dir, compiled_only=True)
     finally:
         shutil.rmtree(dump_dir, ignore_errors=True)
         _interrupt.forget(dump_dir)
@@ -115,7 +135,7 @@ def compile_step(fn: Callable, args: tuple, mesh=None, progress=None,
     return Compiled(
         dumped=dumped,
         mesh=info,
-        memory=memory_of(compiled),
+        memory=memory_of(compiled) if compiled is not None else _memory_of_dump(dumped),
         partitioner=dumped.partitioner,
         platform=mesh.devices.flat[0].platform,
         grouped_matmul_sources=grouped_matmul_sources(traced.jaxpr),
@@ -126,6 +146,7 @@ def compile_step(fn: Callable, args: tuple, mesh=None, progress=None,
         argument_leaves=sum(len(jax.tree_util.tree_leaves(a)) for a in traced.args_info[0]),
         remats=involuntary_rematerializations(log.text),
         mesh_object=mesh,
+        does_not_fit=refused,
     )
 
 
@@ -142,6 +163,36 @@ def compile_error(error: Exception, info: MeshInfo, topology: str | None) -> Ana
     return AnalysisError(f"the step does not fit {where} on mesh {info.as_dict()}: {first}; "
                          f"shard it over more devices (a larger mesh or topology), or make "
                          f"the batch or sequence smaller")
+
+
+# libtpu's words for a step that needs more HBM than a chip has: "the total memory required
+# for HLO temporaries (105.24G) exceeds available HBM (95.73G)" (libtpu 0.0.50), or
+# "Used 105.24G of 95.73G hbm"; XLA prints sizes in binary units.
+_NO_FIT_RE = (re.compile(r"required for .*?\(([\d.]+)([KMGT]?)\) exceeds available \w+ \(([\d.]+)([KMGT]?)\)"),
+              re.compile(r"Used ([\d.]+)([KMGT]?) of ([\d.]+)([KMGT]?) hbm"))
+_UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def no_fit(error: Exception) -> NoFit | None:
+    """The compiler's refusal of a step for lack of memory (`RESOURCE_EXHAUSTED`) with its
+    figures; None for any other error."""
+    text = str(error).strip()
+    if "RESOURCE_EXHAUSTED" not in text:
+        return None
+    first = text.splitlines()[0].split("RESOURCE_EXHAUSTED:", 1)[-1].strip()
+    for pattern in _NO_FIT_RE:
+        m = pattern.search(text)
+        if m:
+            needed, available = (int(float(m.group(i)) * _UNITS[m.group(i + 1)]) for i in (1, 3))
+            return NoFit(needed_bytes=needed, available_bytes=available, message=first)
+    return NoFit(needed_bytes=None, available_bytes=None, message=first)
+
+
+def _memory_of_dump(dumped) -> Memory:
+    """The memory of a step the compiler refused: its buffer assignment (no FLOPs, no peak)."""
+    if dumped.buffer_assignment is None:
+        return Memory.empty()
+    return memory_of_buffer_assignment(dumped.buffer_assignment, f"{dumped.stem}'s buffer assignment")
 
 
 def _named_params(traced, kept: tuple[int, ...], params_argnums) -> frozenset[int] | None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 
 from .._format import human_bytes
+from ._model import NoFit
 from ._topology import TopologyError
 
 # Published HBM per chip, in GiB, by the chip name a topology starts with.
@@ -35,12 +36,21 @@ class Fit:
     alias_bytes: int
     peak_bytes: int | None
     where: str                   # "v5p HBM per chip" or "--hbm-gib 16"
+    refused: NoFit | None = None     # the compiler refused the step for lack of memory
 
     @property
     def fits(self) -> bool:
-        return self.need_bytes <= self.limit_bytes
+        return self.refused is None and self.need_bytes <= self.limit_bytes
 
     def line(self) -> str:
+        if self.refused is not None:
+            figures = (f": needs {human_bytes(self.refused.needed_bytes)} of temporaries > "
+                       f"{human_bytes(self.refused.available_bytes)} available"
+                       if self.refused.needed_bytes is not None else f" ({self.refused.message})")
+            return (f"does not fit: the compiler refused the step for lack of memory{figures} "
+                    f"(its own figures); its buffer assignment holds arguments "
+                    f"{human_bytes(self.argument_bytes)} + outputs {human_bytes(self.output_bytes)} "
+                    f"+ temp {human_bytes(self.temp_bytes)} per device")
         parts = (f"arguments {human_bytes(self.argument_bytes)} + outputs {human_bytes(self.output_bytes)} "
                  f"+ temp {human_bytes(self.temp_bytes)}")
         if self.alias_bytes:
@@ -74,7 +84,13 @@ def memory_fit(memory, limit_gib: float, where: str = "") -> Fit:
 
 
 def fit_of(analysis, limit_gib: float | None = None) -> Fit | None:
-    """The fit of an analysis against `limit_gib`, else its chip's HBM; None if neither."""
+    """The fit of an analysis against `limit_gib`, else its chip's HBM; None if neither.
+    A step the compiler refused for lack of memory does not fit, whatever the limit."""
+    if analysis.does_not_fit is not None:
+        refused = analysis.does_not_fit
+        fit = memory_fit(analysis.memory, limit_gib or hbm_gib(analysis.topology) or 0, "the compiler")
+        return dataclasses.replace(fit, refused=refused, need_bytes=refused.needed_bytes or fit.need_bytes,
+                                   limit_bytes=refused.available_bytes or fit.limit_bytes)
     if limit_gib is not None:
         if limit_gib <= 0:
             raise TopologyError(f"--hbm-gib must be > 0, got {limit_gib:g}")

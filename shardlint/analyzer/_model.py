@@ -73,6 +73,11 @@ class Finding:
     needed_by: str = ""          # the op that needed the gathers (the finding's op, or its consumer)
     stack: tuple[Source, ...] = ()
     backward: bool = False       # the op belongs to the backward pass (a transpose)
+    # contracted-tokens: per device, the bytes of the buffers replicated over `axes` (the
+    # contraction's result and the expert matmuls' after it) and the FLOPs those matmuls
+    # compute on every shard beyond its share
+    replicated_bytes: int = 0
+    repeated_flops: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -151,6 +156,17 @@ class Memory:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class NoFit:
+    """The compiler refused the step for lack of device memory (a TPU compile's
+    `RESOURCE_EXHAUSTED`), with its own figures: what it needed (the HLO temporaries, as it
+    words it) against what it had, each None where its message gave none."""
+
+    needed_bytes: int | None
+    available_bytes: int | None
+    message: str                 # the compiler's first line
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Analysis:
     mesh: dict[str, int]
     memory: Memory
@@ -166,6 +182,10 @@ class Analysis:
     # per leaf of the step's positional arguments (live): weight (a parameter only moved),
     # input (an activation it is handed: integers, token inputs) or unused (jit drops it)
     argument_roles: tuple[ArgumentRole, ...] = ()
+    # The compiler refused the step for lack of memory: the analysis is of the program it
+    # partitioned and assigned buffers to before it refused (memory from that buffer
+    # assignment; no FLOPs)
+    does_not_fit: NoFit | None = None
 
     def all_gathers(self) -> tuple[Collective, ...]:
         return tuple(c for c in self.collectives if c.kind == CollectiveKind.ALL_GATHER)
@@ -223,6 +243,7 @@ class Analysis:
             dump=doc.get("dump"),
             unread=tuple(doc.get("unread", ())),
             argument_roles=tuple(doc.get("argument_roles", ())),
+            does_not_fit=NoFit(**doc["does_not_fit"]) if doc.get("does_not_fit") else None,
         )
 
 

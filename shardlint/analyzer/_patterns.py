@@ -16,7 +16,7 @@ import collections
 import networkx as nx
 
 from ._dataflow import MOVES
-from ._graph import dims_of, node_of, operand_of, reshape_groups
+from ._graph import dims_of, node_of, operand_of, reshape_groups, sharding_of
 from .._op_paths import is_backward
 from .._ops import JAXPR_LAYOUT, SAME_DIMS, WEIGHT_PATH_OPCODES
 
@@ -130,6 +130,54 @@ def feeds_grouped_matmul(graph: nx.DiGraph, start: str) -> bool:
                 continue
             queue.append((user, element))
     return False
+
+
+def contracted_tokens(graph: nx.DiGraph, node: str) -> tuple[str, ...]:
+    """The mesh axes a routed layer's dispatch sums its tokens over: a dot that contracts
+    tokens against tokens (a dimension sharded over the same mesh axes in both operands),
+    whose result carries none of those axes and reaches a grouped matmul through ops that
+    only move it. That is the capacity dispatch `BSM,BSEC -> EBCM` with the sequence
+    sharded, and in the backward the combine's transpose (`BSM,BSEC -> EBCM` again). () for
+    any other op: an expert matmul contracts the embedding against a weight, a weight's
+    gradient contracts tokens against tokens but feeds no expert matmul."""
+    data = node_of(graph, node)
+    if data.opcode != "dot" or not data.shardings or data.shardings[0].manual:
+        return ()
+    carried = data.shardings[0].axes()
+    summed = []
+    for position, contracting in ((0, data.instr.lhs_contracting_dims), (1, data.instr.rhs_contracting_dims)):
+        operand = operand_of(graph, node, position)
+        sharding = sharding_of(graph, *operand) if operand is not None else None
+        if sharding is None:
+            return ()
+        summed.append({a for d in contracting if d < len(sharding.dims) for a in sharding.dims[d]
+                       if a not in carried and not a.startswith("?")})
+    axes = summed[0] & summed[1]
+    if not axes or not _dispatches(graph, node):
+        return ()
+    lhs = sharding_of(graph, *operand_of(graph, node, 0))
+    return tuple(dict.fromkeys(a for d in data.instr.lhs_contracting_dims if d < len(lhs.dims)
+                               for a in lhs.dims[d] if a in axes))
+
+
+def matmuls_after_dispatch(graph: nx.DiGraph, dispatch: str, most: int = 256) -> list[str]:
+    """The grouped matmuls that compute on a dispatch's result, within its pass: on through
+    them and what re-lays or scales their values, up to the contraction that combines the
+    experts' outputs (a dot that is no grouped matmul), which ends the walk."""
+    backward = is_backward(node_of(graph, dispatch).op_path)
+    found, seen = [], {(dispatch, None)}
+    queue = collections.deque([(dispatch, None)])
+    while queue and len(seen) < most:
+        for user, element in _readers(graph, *queue.popleft()):
+            if (user, element) in seen or is_backward(node_of(graph, user).op_path) != backward:
+                continue
+            seen.add((user, element))
+            if is_grouped_matmul(graph, user):
+                found.append(user)
+            elif _contracts(graph, user):
+                continue
+            queue.append((user, element))
+    return found
 
 
 def _readers(graph, node: str, element: int | None):

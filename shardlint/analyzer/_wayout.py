@@ -82,3 +82,13 @@ def resharded_way_out(op: str, axes, feeds: bool, operand_spec) -> str:
     return (f"{op} can run sharded, but an operand arrives sharded along another dimension than "
             f"the one {op} is computed along, so XLA's partitioner moves it over {over}: shard "
             "the operands alike where they are made (a sharding constraint on the one that differs)")
+
+
+def contracted_way_out(axes) -> str:
+    """The way out of a dispatch that sums sharded tokens into capacity slots."""
+    over = ", ".join(axes)
+    return (f"route, dispatch and run the experts on each shard's own tokens, with a capacity "
+            f"per shard (GShard groups), inside jax.shard_map over the axes that shard batch and "
+            f"sequence ({REWRITE} --per-shard-capacity does that; each shard then drops by its "
+            f"own capacity), or use a dropless grouped matmul that keeps the tokens sharded over "
+            f"{over} (MaxText: sparse_matmul=true)")

@@ -36,6 +36,9 @@ def format_text(analysis: Analysis, title: str = "", fit=None) -> str:
                              f" per step{_loop_note(analysis, f.collectives)})")
             elif f.kind == FindingKind.DROPPED:
                 lines.append("      costs: no collective linked (XLA may recompute or replicate instead)")
+            if f.kind == FindingKind.CONTRACTED:
+                lines.append(f"      replicated over {', '.join(f.axes)}: {human_bytes(f.replicated_bytes)} of "
+                             f"buffers per device; {f.repeated_flops:.3g} FLOPs per device repeated on every shard")
             lines.append(f"      way out: {f.way_out}")
     else:
         lines.append("no findings: no activation is gathered over an axis that sharded it "
@@ -112,6 +115,8 @@ def headline(f, analysis: Analysis) -> str:
     pairs = words(c for c in analysis.collectives if c.id in f.collectives)
     if f.kind == FindingKind.REMATERIALIZED:
         text = f"{f.op}: involuntary full rematerialization"
+    elif f.kind == FindingKind.CONTRACTED:
+        text = f"{f.op} {verb_phrase(f, analysis)} {', '.join(f.axes)}"
     elif f.kind in (FindingKind.UNSPLIT, FindingKind.RESHARDED) and pairs:
         text = f"{f.op} {_LEAD[f.kind]} {said(pairs)}"
     else:
@@ -130,6 +135,8 @@ def verb_phrase(f, analysis: Analysis) -> str:
         return "needs an involuntary full rematerialization"
     if f.kind == FindingKind.DROPPED:
         return "drops"
+    if f.kind == FindingKind.CONTRACTED:
+        return "sums the tokens away: the expert matmuls after it are replicated over"
     verbs = [verb for verb, _ in words(c for c in analysis.collectives if c.id in f.collectives)]
     default = "gathered" if f.kind == FindingKind.UNSPLIT else "moved"
     return f"{_LEAD[f.kind]} {' and '.join(verbs or [default])} over"

@@ -26,7 +26,7 @@ import functools
 from .. import _jax
 from .._errors import RewriteError
 from .._ops import ROUTING_PRIMITIVES
-from .._token_axes import TokenAxes
+from .._token_axes import TokenAxes, as_axes
 from .._source import display_path
 from ..analyzer import is_expert_batched_eqn, is_grouped_matmul_eqn, reads_expert_weights
 from . import _refusals
@@ -74,8 +74,9 @@ class Grower:
         leaves = leaves or {}
         merges = {i for i, e in enumerate(eqns) if merges_seq(e, self.specs, self.axes)}
         routing = {i for i, e in enumerate(eqns) if self._routing_seed(e, eqns, producer)}
+        dispatches = self._dispatches(eqns, producer, consumers) if self.per_shard_capacity else set()
         arriving = set(scrambled_in) | set(stacked_in)
-        seeds = merges | routing
+        seeds = merges | routing | dispatches
         seeds |= {c for v in arriving for c in consumers.get(v, ()) if sub_of(eqns[c]) is None}
         if not seeds:
             return set(), set(), set(), set()
@@ -119,7 +120,7 @@ class Grower:
                 else:
                     self._propagate(eqns[i], scrambled, positional, reordered=False)
         self._refuse_unbound(eqns, region, producer, consumers)
-        region = self._routed_only(eqns, region, producer, consumers, routing)
+        region = self._routed_only(eqns, region, producer, consumers, routing | dispatches)
         for v in arriving:
             outside = [c for c in consumers.get(v, ()) if c not in region and sub_of(eqns[c]) is None]
             if outside:
@@ -234,6 +235,36 @@ class Grower:
         makers = [eqns[producer[v]] for v in operands if v in producer]
         return any(self._at_seed_line(e) for e in (eqn, *makers))
 
+    def _dispatches(self, eqns, producer, consumers) -> set[int]:
+        """Dispatches that sum tokens away, on a line where the analysis found it
+        (`contracted-tokens`): a `dot_general` that contracts a dimension of tokens sharded
+        over the sequence's axes against another value that carries tokens, whose result
+        reaches an expert weight's matmul (the capacity dispatch `BSM,BSEC -> EBCM`, and the
+        combine's transpose in the backward). Such a region needs no routing op that XLA
+        gathered: at MaxText's Mixtral-8x7B size on 64 v5p chips XLA keeps every routing op
+        sharded and only the dispatch loses the sequence. Only with per-shard capacity: the
+        slots it fills are one shard's then."""
+        found = set()
+        experts = None
+        for i, e in enumerate(eqns):
+            if e.primitive.name != "dot_general" or not self._at_seed_line(e):
+                continue
+            contracting = e.params["dimension_numbers"][0]
+            operands = [v for v in e.invars if not _jax.is_literal(v)]
+            if len(operands) != 2 or not all(v in self.scaled for v in operands):
+                continue
+            if not any(self._seq_sharded(v, dims) for v, dims in zip(e.invars, contracting)):
+                continue
+            experts = self._experts(eqns, producer) if experts is None else experts
+            if downstream(eqns, consumers, {i}) & experts:
+                found.add(i)
+        return found
+
+    def _seq_sharded(self, var, dims) -> bool:
+        """Whether one of `var`'s dimensions `dims` is sharded over the sequence's axes."""
+        spec = tuple(self.specs.get(var, ()))
+        return any(set(as_axes(spec[d])) & set(self.axes.seq) for d in dims if d < len(spec))
+
     def _at_seed_line(self, eqn) -> bool:
         frame = _jax.user_frame(eqn)
         return frame is not None and (display_path(frame[0]), frame[1]) in self.seed_lines
@@ -252,10 +283,11 @@ class Grower:
 
     def _routed_only(self, eqns, region, producer, consumers, routing) -> set[int]:
         """The connected parts of the region that route tokens to experts: they hold a
-        grouped matmul or an expert-batched dot, or a routing op whose result reaches an
-        expert weight's matmul (the rest of the step, a backward included) or, from before
-        the experts, what their outputs flow into, or a routing op on the same line as such
-        a one (its transpose in the backward)."""
+        grouped matmul or an expert-batched dot, or a routing op (or a dispatch that sums
+        tokens away, `_dispatches`) whose result reaches an expert weight's matmul (the rest
+        of the step, a backward included) or, from before the experts, what their outputs
+        flow into, or a routing op on the same line as such a one (its transpose in the
+        backward)."""
         experts = self._experts(eqns, producer)
         after_experts = downstream(eqns, consumers, experts)
         routed_lines = set()

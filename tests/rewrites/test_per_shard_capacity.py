@@ -92,3 +92,44 @@ def test_a_per_shard_value_leaving_the_layer_is_refused_at_its_line(leak, line, 
     way_out = "(Keep what reads|Contract the capacity)"
     with pytest.raises(shardlint.RewriteError, match=rf"rewrite_steps\.py:{at}\b.*{what}.*{way_out}"):
         shardlint.rewrite(fn, mesh, args=args, capacity="per-shard")
+
+
+@functools.cache
+def _top2(context: int):
+    mesh = context_mesh(context)
+    fn, args = rewrite_steps.make_top2_capacity_step(mesh)
+    before = shardlint.analyze(fn, *args)
+    if context == 1:
+        return mesh, fn, args, None, before, None
+    fixed = shardlint.rewrite(fn, mesh, args=args, analysis=before, capacity="per-shard")
+    return mesh, fn, args, fixed, before, shardlint.analyze(fixed, *args)
+
+
+@pytest.mark.parametrize("context", [2, 4])
+def test_a_dispatch_that_sums_tokens_away_is_a_region_of_its_own(context):
+    """MaxText's Mixtral-8x7B on 64 v5p chips in miniature (`top2_capacity_moe`): XLA gathers
+    none of the routing, so no routing op is where the analysis found the loss; the
+    dispatch that sums the context-sharded sequence into slots is (`contracted-tokens`). It
+    starts the region: the layer runs per shard, the numbers are the layer's on each
+    shard's tokens, and nothing is contracted over `context` any more."""
+    mesh, fn, args, fixed, before, after = _top2(context)
+    assert {f.kind for f in before.findings} == {"contracted-tokens"}
+    assert fixed.changed is True
+    assert after.findings == ()
+    assert not [c for c in after.collectives if "context" in c.axes and c.kind == "all-gather"]
+    layer = per_shard(functools.partial(rewrite_steps.top2_capacity_moe, mesh=mesh),
+                      *blocks_of(args[1]), token_args=(1,))
+    reference, _ = rewrite_steps.make_top2_capacity_step(mesh, layer=layer)
+    assert verify_same(reference, fixed, args, rtol=1e-5, atol=1e-6)
+
+
+def test_a_contracting_dispatch_rewritten_keeps_temp_and_flops_flat():
+    """Tokens per device fixed: at context 2 and 4 the rewritten step needs at most 1.15x the
+    temp and 1.1x the FLOPs per device of context 1 (the goal of the real-size issue);
+    before, both grow with the context degree."""
+    first = _top2(1)[4].memory
+    for context in (2, 4):
+        before, after = _top2(context)[4].memory, _top2(context)[5].memory
+        assert before.temp_bytes > 1.3 * first.temp_bytes and before.flops > 1.3 * first.flops
+        assert after.temp_bytes <= 1.15 * first.temp_bytes, (context, after.temp_bytes, first.temp_bytes)
+        assert after.flops <= 1.1 * first.flops, (context, after.flops, first.flops)

@@ -279,6 +279,53 @@ def make_maxtext_capacity_step(mesh, capacity_factor: float = 1.25, *, layer=Non
     return step, (_moe_params(mesh), _batch(mesh))
 
 
+def top2_capacity_moe(params, x_BSD, *, mesh, capacity_factor: float = 1.25):
+    """GShard's top-2 gating on MaxText's capacity path, routed the way XLA keeps sharded
+    at real size: the two experts by `argmax` (GShard's own `top2gating`; an argmax over
+    the experts needs no token dimension whole), the weights as a one-hot product (no
+    scatter), the cumsum under a constraint that asks for the sequence whole and one right
+    after that shards it again (MaxText's `activation_norm_length`), and like MaxText's a
+    norm before it and weights that reach the experts through a layout op. XLA then gathers
+    nothing for the routing: what is left of the loss is the dispatch einsum that sums
+    the context-sharded sequence into capacity slots, all-reduced over `context`, with the
+    expert matmuls replicated over it (what MaxText's Mixtral-8x7B shows on 64 v5p chips)."""
+    b, s, _ = x_BSD.shape
+    x_BSD = x_BSD * jax.lax.rsqrt(jnp.mean(x_BSD ** 2, axis=-1, keepdims=True) + 1e-6)   # RMSNorm
+    logits_BSE = jnp.einsum("bsd,de->bse", x_BSD, params["w_gate"])
+    first_BS = jnp.argmax(logits_BSE, axis=-1)
+    taken_BSE = jax.nn.one_hot(first_BS, EXPERTS, dtype=bool)
+    second_BS = jnp.argmax(jnp.where(taken_BSE, -jnp.inf, logits_BSE), axis=-1)
+    experts_BSK = jnp.stack([first_BS, second_BS], axis=-1)
+    weights_BSK = jax.nn.softmax(jnp.take_along_axis(logits_BSE, experts_BSK, axis=-1), axis=-1)
+    capacity = int(max(math.ceil(s * TOP_K / EXPERTS) * capacity_factor, capacity_factor))
+    mask_BSKE = jax.nn.one_hot(experts_BSK, EXPERTS, dtype=jnp.int32)
+    weights_BSE = jnp.sum(mask_BSKE * weights_BSK[..., None], axis=2)
+    mask_BTE = mask_BSKE.reshape(b, s * TOP_K, EXPERTS)
+    mask_BTE = jax.lax.with_sharding_constraint(mask_BTE, NamedSharding(mesh, P("data", None, None)))
+    count_BTE = jnp.cumsum(mask_BTE, axis=1)
+    count_BSKE = count_BTE.reshape(b, s, TOP_K, EXPERTS)
+    count_BSKE = jax.lax.with_sharding_constraint(count_BSKE, NamedSharding(mesh, P("data", "context")))
+    kept_BSE = jnp.sum(mask_BSKE * (count_BSKE <= capacity), axis=2)
+    weights_BSE = weights_BSE * kept_BSE
+    position_BSE = jnp.sum(mask_BSKE * count_BSKE, axis=2) * kept_BSE
+    slot_BSEC = jax.nn.one_hot(position_BSE, capacity + 1, dtype=jnp.int32)
+    combine_BSEC = (weights_BSE[..., None] * slot_BSEC)[..., 1:]
+    dispatch_BSEC = combine_BSEC.astype(bool)
+    expert_in_EBCD = jnp.einsum("BSM,BSEC -> EBCM", x_BSD, dispatch_BSEC)  # <- top-2 dispatch
+    # The weights reach the expert einsums through a layout op, as MaxText's do (a convert
+    # from weight_dtype, a sharding constraint): here a constraint that keeps them whole.
+    w_in, w_out = (jax.lax.with_sharding_constraint(params[k], NamedSharding(mesh, P())) for k in ("w_in", "w_out"))
+    hidden_EBCF = jax.nn.silu(jnp.einsum("EBCM,EMH -> EBCH", expert_in_EBCD, w_in))
+    out_EBCD = jnp.einsum("EBCH,EHM -> EBCM", hidden_EBCF, w_out)
+    return jnp.einsum("EBCM,BSEC -> BSM", out_EBCD, combine_BSEC)  # <- top-2 combine
+
+
+def make_top2_capacity_step(mesh, *, layer=None):
+    """`top2_capacity_moe` in a residual block, value_and_grad over its parameters and
+    input. `layer` replaces the layer (a per-shard reference of it)."""
+    return make_maxtext_capacity_step(mesh, layer=layer or functools.partial(top2_capacity_moe, mesh=mesh))
+
+
 def make_stacked_capacity_step(mesh, layers: str, *, layer=None):
     """`maxtext_capacity_moe` in LAYERS residual blocks whose weights are stacked over
     layers, value_and_grad over them and the input: `layers` is "scan" (`lax.scan` over the
