@@ -4,7 +4,9 @@ and the source lines of the lossy ops.
 
 A flatten of (batch, seq) before a grouped matmul says it first; where there is none, a
 routing op (top_k, sort, cumsum, scatter, ...) whose operand has tokens sharded does: over
-batch and sequence, or over the batch alone.
+batch and sequence, or over the batch alone. A dispatch that sums the tokens into capacity
+slots (`contracted-tokens`) says it too, and where one finding sees only some of the axes
+that another sees, the wider one is taken.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import jax
 
 from .._errors import RewriteError
 from .._token_axes import TokenAxes, as_axes
-from .._vocab import ArgumentRole, Cause
+from .._vocab import ArgumentRole, Cause, FindingKind
 from .._ops import ROUTING_FINDING_OPS
 from ._trace import Tokens
 
@@ -58,8 +60,15 @@ def lost_in(step, args, progress, analysis=None, params_argnums=None) -> Lost:
                for t in [_tokens_of(f) if len(f.operand_spec) >= 3
                          else _flat_tokens(f, args, analysis) if f.feeds_grouped_matmul else None]
                if t is not None and t.axes.all]
+    # A dispatch that sums tokens into capacity slots (`contracted-tokens`): its tokens'
+    # operand, (batch, seq, ...).
+    contracted = [t for f in lost if f.kind == FindingKind.CONTRACTED for t in [_tokens_of(f)] if t.axes.all]
     found = {t.axes: dataclasses.replace(t, roles=analysis.argument_roles)
-             for t in reversed(flattens or routing)}   # the first finding's sizes
+             for t in reversed((flattens or routing) + contracted)}   # the first finding's sizes
+    # A finding that sees some of the token axes (a flatten of tokens whose sequence was
+    # gathered before it: the batch's axes alone) says less than one that sees them all.
+    found = {axes: t for axes, t in found.items()
+             if not any(set(axes.all) < set(other.all) for other in found)}
     if len(found) > 1:
         raise RewriteError(f"the lossy ops are sharded differently "
                            f"({sorted((a.batch, a.seq) for a in found)}); pass batch_axes= and "
