@@ -10,8 +10,8 @@ and FLOPs per chip are flat. Compiled ahead of time by the TPU compiler for `v5p
 (64 chips; libtpu, no TPU attached). For each N this prints, per chip: temp and FLOPs as
 written (or the compiler's refusal: needed > available), the contracted-tokens findings,
 then `shardlint.rewrite(..., capacity="per-shard")` (each shard routes its own tokens with
-its own capacity): the regions rewritten, temp and FLOPs, each as a ratio to N=1 as
-written, and what one point took (wall time, this process's peak memory). Each point runs
+its own capacity): the regions rewritten, temp and FLOPs, each as a ratio to the first N
+(the smallest; 1 by default) as written, and what one point took (wall time, this process's peak memory). Each point runs
 in a process of its own, so its wall time and peak memory are its own. TPU devices only
 compile: the rewrite's numbers are checked on CPU (tests/rewrites/test_per_shard_capacity.py
 on the same path in miniature, tests/integrations/test_maxtext_capacity.py on MaxText's layer).
@@ -64,12 +64,12 @@ def main(argv: list[str] | None = None) -> int:
     layers = f"{args.layers} layer(s)" if args.layers else "the preset's layers"
     print(f"MaxText {args.model} ({layers}), dense capacity path (capacity_factor=1.25), seq {args.seq}, "
           f"per_device_batch_size=1, {args.topology}, context N x fsdp (the rest); per chip, "
-          f"ratios to N=1 as written")
+          f"ratios to the first N as written")
     print(f"{'N':>2}  {'temp as written':>16} {'FLOPs':>9} {'contracted':>10}  "
           f"{'regions':>7} {'temp rewritten':>15} {'x N=1':>6} {'FLOPs':>9} {'x N=1':>6}  "
           f"{'wall s':>6} {'peak GiB':>8}")
     rows = []
-    for n in [int(v) for v in args.context.split(",")]:
+    for n in sorted(int(v) for v in args.context.split(",")):
         env = dict(os.environ, ALLOW_MULTIPLE_LIBTPU_LOAD="1")
         command = [sys.executable, __file__, "--point", str(n), "--model", args.model,
                    "--topology", args.topology, "--layers", str(args.layers), "--seq", str(args.seq)]
@@ -81,6 +81,7 @@ def main(argv: list[str] | None = None) -> int:
         row = json.loads(lines[-1])
         rows.append(row)
         print(_line(row, rows[0]), flush=True)
+        print(f"    {json.dumps(row)}", flush=True)   # the point's figures, for the docs
     return 0
 
 

@@ -9,6 +9,7 @@ A quoted output sits between two markers, and only there:
     python docs/regenerate.py            # rewrite the blocks (about 2 minutes: the demo)
     python docs/regenerate.py --check    # exit 1 and name the blocks that would change
     python docs/regenerate.py --only demo,schemas
+    python docs/regenerate.py --only maxtext-real-size   # slow blocks run only when named
 
 Outputs depend on the JAX version (the header of each names it): run it where the quoted
 outputs were made, Python 3.11 with JAX 0.10.2 (`.venv`), and the MaxText blocks, which
@@ -29,6 +30,7 @@ import re
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Callable
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -39,7 +41,11 @@ MESH = "data=2,context=4"
 @dataclasses.dataclass(frozen=True)
 class Block:
     write: Callable[[], str]     # the text between the markers
-    needs: str = ""              # a module that must import ("maxtext"), else skipped
+    needs: str = ""              # modules that must import ("maxtext,libtpu"), else skipped
+    slow: bool = False           # run only when --only names it (real-size TPU compiles)
+
+    def missing(self) -> list[str]:
+        return [name for name in filter(None, self.needs.split(",")) if importlib.util.find_spec(name) is None]
 
 
 def _env() -> dict[str, str]:
@@ -239,6 +245,17 @@ def rewrite_reach() -> str:
     return run.stdout
 
 
+def maxtext_real_size() -> str:
+    """`benchmarks/maxtext_real_size.py`'s table (about 30 minutes of TPU compiles here), its
+    figures per point left out, and how long the whole run took."""
+    start = time.perf_counter()
+    run = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "maxtext_real_size.py")],
+                         env=_env(), capture_output=True, text=True, check=True)
+    table = [line for line in run.stdout.splitlines() if not line.startswith("    {")]
+    minutes = (time.perf_counter() - start) / 60
+    return fenced("\n".join([*table, f"({minutes:.0f} minutes for the run, one point after another)"]))
+
+
 BLOCKS: dict[str, Block] = {
     "demo": Block(demo),
     "model-findings": Block(model_findings),
@@ -256,6 +273,7 @@ BLOCKS: dict[str, Block] = {
     "maxtext-findings": Block(maxtext_findings, needs="maxtext"),
     "maxtext-rewritten": Block(maxtext_rewritten, needs="maxtext"),
     "maxtext-train": Block(maxtext_train, needs="maxtext"),
+    "maxtext-real-size": Block(maxtext_real_size, needs="maxtext,libtpu", slow=True),
 }
 
 
@@ -284,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
             block = BLOCKS[name]
             if only and name not in only:
                 return match.group(0)
-            if block.needs and importlib.util.find_spec(block.needs) is None:
+            if block.missing() or (block.slow and name not in only):
                 skipped.append(name)
                 return match.group(0)
             print(f"regenerate: {name}", file=sys.stderr)
@@ -302,7 +320,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"regenerate: no page holds block(s) {', '.join(sorted(missing))}", file=sys.stderr)
         return 1
     for name in skipped:
-        print(f"regenerate: skipped {name} (needs {BLOCKS[name].needs})", file=sys.stderr)
+        why = (f"needs {', '.join(BLOCKS[name].missing())}" if BLOCKS[name].missing()
+               else f"slow: --only {name}")
+        print(f"regenerate: skipped {name} ({why})", file=sys.stderr)
     for where in stale:
         print(f"{'stale' if args.check else 'rewrote'}: {where}", file=sys.stderr)
     return 1 if args.check and stale else 0

@@ -74,9 +74,9 @@ class Finding:
     stack: tuple[Source, ...] = ()
     backward: bool = False       # the op belongs to the backward pass (a transpose)
     # contracted-tokens: per device, the bytes of the buffers replicated over `axes` (the
-    # contraction's result and the expert matmuls' after it) and the FLOPs those matmuls
-    # compute on every shard beyond its share
+    # contraction's result and the expert matmuls' results after it)
     replicated_bytes: int = 0
+    # contracted-tokens: per device, the FLOPs those expert matmuls compute beyond a shard's share
     repeated_flops: float = 0.0
 
 
