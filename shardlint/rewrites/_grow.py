@@ -6,7 +6,11 @@ routing op on a line where the analysis found the sharding lost, or at a per-sha
 that arrives from another body; it grows forward through everything that reads tokens in
 per-shard order (and the per-shard values derived from them that feed back into the
 region, like group sizes), and ends where tokens are reshaped back to `(batch, seq, ...)`
-or reduced away. Only the parts that route tokens to experts are kept.
+or reduced away. Only the parts that route tokens to experts are kept: those with a grouped
+matmul or an expert-batched dot, a routing op where the analysis found the loss, or, with
+per-shard capacity, a dispatch that sums tokens into slots where the analysis found that
+(`contracted-tokens`; at MaxText's Mixtral-8x7B size XLA keeps every routing op sharded and
+the experts' weights reach their einsums through a convert, so nothing else marks it).
 
 With per-shard capacity (GShard groups), two more kinds of value keep the region going,
 because outside it they would mean something else: running totals over a shard's tokens
@@ -76,7 +80,7 @@ class Grower:
         routing = {i for i, e in enumerate(eqns) if self._routing_seed(e, eqns, producer)}
         dispatches = self._dispatches(eqns, producer, consumers) if self.per_shard_capacity else set()
         arriving = set(scrambled_in) | set(stacked_in)
-        seeds = merges | routing | dispatches
+        seeds = merges | routing
         seeds |= {c for v in arriving for c in consumers.get(v, ()) if sub_of(eqns[c]) is None}
         if not seeds:
             return set(), set(), set(), set()
@@ -240,10 +244,10 @@ class Grower:
         (`contracted-tokens`): a `dot_general` that contracts a dimension of tokens sharded
         over the sequence's axes against another value that carries tokens, whose result
         reaches an expert weight's matmul (the capacity dispatch `BSM,BSEC -> EBCM`, and the
-        combine's transpose in the backward). Such a region needs no routing op that XLA
-        gathered: at MaxText's Mixtral-8x7B size on 64 v5p chips XLA keeps every routing op
-        sharded and only the dispatch loses the sequence. Only with per-shard capacity: the
-        slots it fills are one shard's then."""
+        combine's transpose in the backward). They mark the part of a region they sit in as
+        routed (`_routed_only`); they start none: the fold or the routing op before them
+        does, with the masks they read. Only with per-shard capacity: the slots they fill
+        are one shard's then."""
         found = set()
         experts = None
         for i, e in enumerate(eqns):
