@@ -30,13 +30,13 @@ import functools
 from .. import _jax
 from .._errors import RewriteError
 from .._ops import ROUTING_PRIMITIVES
-from .._token_axes import TokenAxes, as_axes
+from .._token_axes import TokenAxes
 from .._source import display_path
 from ..analyzer import is_expert_batched_eqn, is_grouped_matmul_eqn, reads_expert_weights
 from . import _refusals
 from ._flow import connected_parts, downstream, reaches, variables
 from ._subjaxprs import sub_of
-from ._token_ops import count, is_address, merges_seq, pull_in_constants, splits_tokens
+from ._token_ops import count, is_address, merges_seq, pull_in_constants, splits_tokens, sums_tokens
 
 
 # Comparisons whose answer does not change when labels are renamed one-to-one.
@@ -248,26 +248,12 @@ class Grower:
         routed (`_routed_only`); they start none: the fold or the routing op before them
         does, with the masks they read. Only with per-shard capacity: the slots they fill
         are one shard's then."""
-        found = set()
-        experts = None
-        for i, e in enumerate(eqns):
-            if e.primitive.name != "dot_general" or not self._at_seed_line(e):
-                continue
-            contracting = e.params["dimension_numbers"][0]
-            operands = [v for v in e.invars if not _jax.is_literal(v)]
-            if len(operands) != 2 or not all(v in self.scaled for v in operands):
-                continue
-            if not any(self._seq_sharded(v, dims) for v, dims in zip(e.invars, contracting)):
-                continue
-            experts = self._experts(eqns, producer) if experts is None else experts
-            if downstream(eqns, consumers, {i}) & experts:
-                found.add(i)
-        return found
-
-    def _seq_sharded(self, var, dims) -> bool:
-        """Whether one of `var`'s dimensions `dims` is sharded over the sequence's axes."""
-        spec = tuple(self.specs.get(var, ()))
-        return any(set(as_axes(spec[d])) & set(self.axes.seq) for d in dims if d < len(spec))
+        found = {i for i, e in enumerate(eqns)
+                 if sums_tokens(e, self.specs, self.scaled, self.axes) and self._at_seed_line(e)}
+        if not found:
+            return found
+        experts = self._experts(eqns, producer)
+        return {i for i in found if downstream(eqns, consumers, {i}) & experts}
 
     def _at_seed_line(self, eqn) -> bool:
         frame = _jax.user_frame(eqn)

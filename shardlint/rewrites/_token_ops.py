@@ -1,5 +1,6 @@
 """What one equation does to the tokens of a routed region: folds the sequence into them or
-unfolds it (`merges_seq`, `splits_tokens`), counts over them (`count`, running totals for
+unfolds it (`merges_seq`, `splits_tokens`), sums them into capacity slots (`sums_tokens`),
+counts over them (`count`, running totals for
 per-shard capacity), addresses them (`is_address`), and which token-sized values can be
 rebuilt per shard from nothing (`pull_in_constants`; a random draw never is).
 
@@ -60,6 +61,22 @@ def merges_seq(eqn, specs, axes: TokenAxes) -> bool:
     for ins, outs in reshape_groups(shape_in, shape_out):
         if folds_several([shape_in[d] for d in ins]) and len(outs) == 1 and any(
                 set(axes.minor) & set(as_axes(src[d])) for d in ins if d < len(src)):
+            return True
+    return False
+
+
+def sums_tokens(eqn, specs, scaled, axes: TokenAxes) -> bool:
+    """A `dot_general` that contracts a dimension of tokens sharded over the sequence's axes
+    against another value that carries tokens (`scaled`): a capacity dispatch
+    `BSM,BSEC -> EBCM`, or the combine's transpose in the backward."""
+    if eqn.primitive.name != "dot_general":
+        return False
+    operands = [v for v in eqn.invars if not _jax.is_literal(v)]
+    if len(operands) != 2 or not all(v in scaled for v in operands):
+        return False
+    for var, dims in zip(eqn.invars, eqn.params["dimension_numbers"][0]):
+        spec = tuple(specs.get(var, ()))
+        if any(set(as_axes(spec[d])) & set(axes.seq) for d in dims if d < len(spec)):
             return True
     return False
 
