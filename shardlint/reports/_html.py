@@ -305,6 +305,8 @@ def render_html(before: Analysis, after: Analysis | None = None, *, sweep: dict[
         scopes=scope_tree(before), after_scopes=scope_tree(after) if after else None,
         verdict=verdict(before, after), memory=memory_rows(before, after),
         peaks=[(label, a, peak_view(a)) for label, a in (("before", before), ("after", after)) if a is not None],
+        refusals=[(label, a.does_not_fit) for label, a in (("before", before), ("after", after))
+                  if a is not None and a.does_not_fit is not None],
         findings=[finding_view(f, i, before, root) for i, f in enumerate(before.findings, 1)],
         after_findings=[finding_view(f, i, after, root) for i, f in enumerate(after.findings, 1)]
         if after else [],

@@ -56,3 +56,13 @@ def test_the_cli_reports_it_and_exits_1_with_both_figures_in_the_json(tmp_path, 
     assert "the compiler refused the step for lack of memory" in captured.err   # progress, then the analysis
     doc = json.loads(out.read_text())["does_not_fit"]
     assert doc["needed_bytes"] > doc["available_bytes"] > 0
+
+
+def test_the_report_page_says_the_compiler_refused_it(analysis, tmp_path):
+    from shardlint.reports import write_html
+
+    page = (tmp_path / "r.html")
+    write_html(analysis, path=str(page))
+    text = page.read_text()
+    assert 'data-figure="does-not-fit-before"' in text
+    assert "the compiler refused it for lack of memory, needing" in text
