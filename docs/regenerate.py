@@ -245,11 +245,11 @@ def rewrite_reach() -> str:
     return run.stdout
 
 
-def maxtext_real_size() -> str:
-    """`benchmarks/maxtext_real_size.py`'s table (about 30 minutes of TPU compiles here), its
-    figures per point left out, and how long the whole run took."""
+def maxtext_real_size(*options: str) -> str:
+    """`benchmarks/maxtext_real_size.py OPTIONS`'s table (6 to 17 minutes of TPU compiles
+    here), its figures per point left out, and how long the whole run took."""
     start = time.perf_counter()
-    run = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "maxtext_real_size.py")],
+    run = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "maxtext_real_size.py"), *options],
                          env=_env(), capture_output=True, text=True, check=True)
     table = [line for line in run.stdout.splitlines() if not line.startswith("    {")]
     minutes = (time.perf_counter() - start) / 60
@@ -274,6 +274,8 @@ BLOCKS: dict[str, Block] = {
     "maxtext-rewritten": Block(maxtext_rewritten, needs="maxtext"),
     "maxtext-train": Block(maxtext_train, needs="maxtext"),
     "maxtext-real-size": Block(maxtext_real_size, needs="maxtext,libtpu", slow=True),
+    "maxtext-real-size-qwen3": Block(functools.partial(maxtext_real_size, "--model", "qwen3-30b-a3b"),
+                                     needs="maxtext,libtpu", slow=True),
 }
 
 
