@@ -165,11 +165,10 @@ def compile_error(error: Exception, info: MeshInfo, topology: str | None) -> Ana
                          f"the batch or sequence smaller")
 
 
-# libtpu's words for a step that needs more HBM than a chip has: "the total memory required
-# for HLO temporaries (105.24G) exceeds available HBM (95.73G)" (libtpu 0.0.50), or
-# "Used 105.24G of 95.73G hbm"; XLA prints sizes in binary units.
-_NO_FIT_RE = (re.compile(r"required for .*?\(([\d.]+)([KMGT]?)\) exceeds available \w+ \(([\d.]+)([KMGT]?)\)"),
-              re.compile(r"Used ([\d.]+)([KMGT]?) of ([\d.]+)([KMGT]?) hbm"))
+# libtpu's words for a step that needs more HBM than a chip has (0.0.42 and 0.0.50 alike):
+# "the total memory required for HLO temporaries (105.24G) exceeds available HBM (95.73G)";
+# XLA prints sizes in binary units. Other words leave the figures unknown (None).
+_NO_FIT_RE = re.compile(r"required for .*?\(([\d.]+)([KMGT]?)\) exceeds available \w+ \(([\d.]+)([KMGT]?)\)")
 _UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 
 
@@ -180,12 +179,11 @@ def no_fit(error: Exception) -> NoFit | None:
     if "RESOURCE_EXHAUSTED" not in text:
         return None
     first = text.splitlines()[0].split("RESOURCE_EXHAUSTED:", 1)[-1].strip()
-    for pattern in _NO_FIT_RE:
-        m = pattern.search(text)
-        if m:
-            needed, available = (int(float(m.group(i)) * _UNITS[m.group(i + 1)]) for i in (1, 3))
-            return NoFit(needed_bytes=needed, available_bytes=available, message=first)
-    return NoFit(needed_bytes=None, available_bytes=None, message=first)
+    m = _NO_FIT_RE.search(text)
+    if m is None:
+        return NoFit(needed_bytes=None, available_bytes=None, message=first)
+    needed, available = (int(float(m.group(i)) * _UNITS[m.group(i + 1)]) for i in (1, 3))
+    return NoFit(needed_bytes=needed, available_bytes=available, message=first)
 
 
 def _memory_of_dump(dumped) -> Memory:
