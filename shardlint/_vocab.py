@@ -45,13 +45,17 @@ class CollectiveKind(enum.StrEnum):
     COLLECTIVE_BROADCAST = "collective-broadcast"
 
 
+# The collectives that sum partial results (an all-reduce, a reduce-scatter).
+REDUCTIONS = frozenset({CollectiveKind.ALL_REDUCE, CollectiveKind.REDUCE_SCATTER})
+
+
 def verb_of(kind: str) -> str:
     """What a collective does to a value, as findings word it: an all-gather `gathered` it;
     an all-to-all, a permute or a broadcast `moved` it (shards change place, nothing is
     gathered); an all-reduce or reduce-scatter `reduced` it."""
     if kind == CollectiveKind.ALL_GATHER:
         return "gathered"
-    if kind in (CollectiveKind.ALL_REDUCE, CollectiveKind.REDUCE_SCATTER):
+    if kind in REDUCTIONS:
         return "reduced"
     return "moved"
 

@@ -34,7 +34,7 @@ import dataclasses
 
 import networkx as nx
 
-from .._vocab import Cause, CollectiveKind, FindingKind, present, verb_of, words
+from .._vocab import REDUCTIONS, Cause, CollectiveKind, FindingKind, present, verb_of, words
 from ._dataflow import Provenance
 from ._attribution import attribute
 from ._detect import describe, neighbourhood
@@ -48,9 +48,6 @@ from ._stablehlo import Asked
 from .._source import Source, user_sources, user_stack
 from ._wayout import resharded_way_out, unsplit_way_out
 from ._xla_log import Remat
-
-_REDUCTIONS = {CollectiveKind.ALL_REDUCE, CollectiveKind.REDUCE_SCATTER}
-
 
 @dataclasses.dataclass(frozen=True)
 class _Ask:
@@ -105,7 +102,7 @@ def _cause(c: Collective, weight: bool, own: tuple, dropped_by, asks,
         # XLA's propagation dropped the axis of what it moves (tokens), or it sums the
         # partial sums of a dispatch that contracted sharded tokens (`_contracted.py`)
         return Cause.LOST, None
-    if c.kind in _REDUCTIONS:
+    if c.kind in REDUCTIONS:
         return Cause.REDUCTION, None
     if weight:
         return Cause.WEIGHTS, None

@@ -107,23 +107,23 @@ def compile_step(fn: Callable, args: tuple, mesh=None, progress=None,
             if progress:
                 progress(f"compiling for {info.num_devices} devices on mesh {info.as_dict()}"
                          + (f" with the TPU compiler for {topology}" if topology else ""))
-            compiled = refused = None
+            compiled = refused = error = None
             try:
                 with _jax.persistent_cache_off(), captured_stderr() as log:
                     compiled = lowered.compile(compiler_options=_DUMP_OPTIONS | {"xla_dump_to": dump_dir})
             except Exception as e:
-                refused = no_fit(e)
+                refused, error = no_fit(e), e
                 if refused is None:
                     raise compile_error(e, info, topology) from e
-                if progress:
-                    progress(f"the compiler refused the step for lack of memory ({refused.message}); "
-                             "reading what it partitioned and assigned before it refused")
-                try:   # a TPU compile dumps the partitioned program and its buffers first
-                    dumped = read_dump(dump_dir, compiled_only=True)
-                except AnalysisError:
-                    raise compile_error(e, info, topology) from e
-        if compiled is not None:
+        try:   # a refused TPU compile dumps the partitioned program and its buffers first
             dumped = read_dump(dump_dir, compiled_only=True)
+        except AnalysisError:
+            if error is None:
+                raise
+            raise compile_error(error, info, topology) from error
+        if refused is not None and progress:
+            progress(f"the compiler refused the step for lack of memory ({refused.message}); "
+                     "analyzing what it partitioned and assigned before it refused")
     finally:
         shutil.rmtree(dump_dir, ignore_errors=True)
         _interrupt.forget(dump_dir)
@@ -154,13 +154,12 @@ def compile_error(error: Exception, info: MeshInfo, topology: str | None) -> Ana
     """The compiler's refusal as one error. Out of memory (`RESOURCE_EXHAUSTED`, which
     libtpu raises when the step cannot fit a chip's HBM) says so in one line: the
     compiler's first line, which has the numbers, not the buffer listing after it."""
-    text = str(error).strip()
-    if "RESOURCE_EXHAUSTED" not in text:
+    refused = no_fit(error)
+    if refused is None:
         return AnalysisError(f"XLA could not compile the step on mesh {info.as_dict()}: "
-                             f"{type(error).__name__}: {text}")
+                             f"{type(error).__name__}: {str(error).strip()}")
     where = f"the chips of {topology}" if topology else f"{info.num_devices} devices"
-    first = text.splitlines()[0].split("RESOURCE_EXHAUSTED:", 1)[-1].strip()
-    return AnalysisError(f"the step does not fit {where} on mesh {info.as_dict()}: {first}; "
+    return AnalysisError(f"the step does not fit {where} on mesh {info.as_dict()}: {refused.message}; "
                          f"shard it over more devices (a larger mesh or topology), or make "
                          f"the batch or sequence smaller")
 

@@ -23,7 +23,7 @@ import networkx as nx
 
 from .._op_paths import is_backward, members_of
 from .._source import user_sources
-from .._vocab import Cause, CollectiveKind, FindingKind
+from .._vocab import REDUCTIONS, Cause, FindingKind
 from ._detect import describe, neighbourhood
 from ._devices import MeshInfo
 from ._graph import dims_of, node_of, operand_of, sharding_of, source_of
@@ -31,9 +31,6 @@ from ._model import Collective, Finding
 from ._patterns import contracted_tokens, matmuls_after_dispatch
 from ._wayout import contracted_way_out
 from .._format import human_bytes
-
-_REDUCTIONS = {CollectiveKind.ALL_REDUCE, CollectiveKind.REDUCE_SCATTER}
-
 
 def find_contracted_tokens(graph: nx.DiGraph, mesh: MeshInfo,
                            collectives: tuple[Collective, ...]) -> tuple[Finding, ...]:
@@ -49,7 +46,7 @@ def find_contracted_tokens(graph: nx.DiGraph, mesh: MeshInfo,
         if not axes:
             continue
         ids = tuple(c.id for c in collectives
-                    if c.kind in _REDUCTIONS and c.id not in claimed and set(c.axes) & set(axes)
+                    if c.kind in REDUCTIONS and c.id not in claimed and set(c.axes) & set(axes)
                     and data.op_path in members_of(c.xla_op_path))
         claimed.update(ids)
         findings.append(_finding(graph, node, axes, sizes, [c for c in collectives if c.id in ids]))

@@ -144,20 +144,16 @@ def contracted_tokens(graph: nx.DiGraph, node: str) -> tuple[str, ...]:
     if data.opcode != "dot" or not data.shardings or data.shardings[0].manual:
         return ()
     carried = data.shardings[0].axes()
-    summed = []
+    summed = []   # per operand, the axes its contracted dimensions are sharded over, in order
     for position, contracting in ((0, data.instr.lhs_contracting_dims), (1, data.instr.rhs_contracting_dims)):
         operand = operand_of(graph, node, position)
         sharding = sharding_of(graph, *operand) if operand is not None else None
         if sharding is None:
             return ()
-        summed.append({a for d in contracting if d < len(sharding.dims) for a in sharding.dims[d]
-                       if a not in carried and not a.startswith("?")})
-    axes = summed[0] & summed[1]
-    if not axes or not _dispatches(graph, node):
-        return ()
-    lhs = sharding_of(graph, *operand_of(graph, node, 0))
-    return tuple(dict.fromkeys(a for d in data.instr.lhs_contracting_dims if d < len(lhs.dims)
-                               for a in lhs.dims[d] if a in axes))
+        summed.append([a for d in contracting if d < len(sharding.dims) for a in sharding.dims[d]
+                       if a not in carried and not a.startswith("?")])
+    axes = tuple(dict.fromkeys(a for a in summed[0] if a in summed[1]))
+    return axes if axes and _dispatches(graph, node) else ()
 
 
 def matmuls_after_dispatch(graph: nx.DiGraph, dispatch: str, most: int = 256) -> list[str]:

@@ -115,8 +115,6 @@ def headline(f, analysis: Analysis) -> str:
     pairs = words(c for c in analysis.collectives if c.id in f.collectives)
     if f.kind == FindingKind.REMATERIALIZED:
         text = f"{f.op}: involuntary full rematerialization"
-    elif f.kind == FindingKind.CONTRACTED:
-        text = f"{f.op} {verb_phrase(f, analysis)} {', '.join(f.axes)}"
     elif f.kind in (FindingKind.UNSPLIT, FindingKind.RESHARDED) and pairs:
         text = f"{f.op} {_LEAD[f.kind]} {said(pairs)}"
     else:

@@ -78,7 +78,6 @@ class Grower:
         leaves = leaves or {}
         merges = {i for i, e in enumerate(eqns) if merges_seq(e, self.specs, self.axes)}
         routing = {i for i, e in enumerate(eqns) if self._routing_seed(e, eqns, producer)}
-        dispatches = self._dispatches(eqns, producer, consumers) if self.per_shard_capacity else set()
         arriving = set(scrambled_in) | set(stacked_in)
         seeds = merges | routing
         seeds |= {c for v in arriving for c in consumers.get(v, ()) if sub_of(eqns[c]) is None}
@@ -124,7 +123,7 @@ class Grower:
                 else:
                     self._propagate(eqns[i], scrambled, positional, reordered=False)
         self._refuse_unbound(eqns, region, producer, consumers)
-        region = self._routed_only(eqns, region, producer, consumers, routing | dispatches)
+        region = self._routed_only(eqns, region, producer, consumers, routing | self._dispatches(eqns))
         for v in arriving:
             outside = [c for c in consumers.get(v, ()) if c not in region and sub_of(eqns[c]) is None]
             if outside:
@@ -239,21 +238,19 @@ class Grower:
         makers = [eqns[producer[v]] for v in operands if v in producer]
         return any(self._at_seed_line(e) for e in (eqn, *makers))
 
-    def _dispatches(self, eqns, producer, consumers) -> set[int]:
+    def _dispatches(self, eqns) -> set[int]:
         """Dispatches that sum tokens away, on a line where the analysis found it
         (`contracted-tokens`): a `dot_general` that contracts a dimension of tokens sharded
-        over the sequence's axes against another value that carries tokens, whose result
-        reaches an expert weight's matmul (the capacity dispatch `BSM,BSEC -> EBCM`, and the
-        combine's transpose in the backward). They mark the part of a region they sit in as
-        routed (`_routed_only`); they start none: the fold or the routing op before them
-        does, with the masks they read. Only with per-shard capacity: the slots they fill
-        are one shard's then."""
-        found = {i for i, e in enumerate(eqns)
-                 if sums_tokens(e, self.specs, self.scaled, self.axes) and self._at_seed_line(e)}
-        if not found:
-            return found
-        experts = self._experts(eqns, producer)
-        return {i for i in found if downstream(eqns, consumers, {i}) & experts}
+        over the sequence's axes against another value that carries tokens (the capacity
+        dispatch `BSM,BSEC -> EBCM`, and the combine's transpose in the backward). Like a
+        routing op, one marks the part of a region it sits in as routed where its result
+        reaches the experts (`_routed_only`); it starts none: the fold or the routing op
+        before it does, with the masks it reads. Only with per-shard capacity: the slots it
+        fills are one shard's then."""
+        if not self.per_shard_capacity:
+            return set()
+        return {i for i, e in enumerate(eqns)
+                if sums_tokens(e, self.specs, self.scaled, self.axes) and self._at_seed_line(e)}
 
     def _at_seed_line(self, eqn) -> bool:
         frame = _jax.user_frame(eqn)
