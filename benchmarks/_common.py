@@ -27,7 +27,7 @@ from jax.sharding import PartitionSpec as P
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
 from shardlint import moe  # noqa: E402
-from shardlint.moe._experts import normal_params, swiglu  # noqa: E402
+from shardlint.moe.layers._experts import normal_params, swiglu  # noqa: E402
 
 NUM_DEVICES = 8
 # The activations' sharding. By default only the sequence is sharded (over "context"); the

@@ -88,7 +88,7 @@ def _measure(label, make, mesh, sizes, repeats) -> None:
 
         return f, step_args
 
-    from shardlint.analyzer._compile import _DUMP_OPTIONS
+    from shardlint.analyzer.compile._compile import _DUMP_OPTIONS
 
     bare, dumped, analyzed = [], [], []
     for i in range(repeats):

@@ -61,8 +61,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 from _common import median_seconds  # noqa: E402
 from shardlint import moe  # noqa: E402
-from shardlint.analyzer._hlo import parse_hlo  # noqa: E402
-from shardlint.moe import _experts as moe_experts  # noqa: E402
+from shardlint.analyzer.parse._hlo import parse_hlo  # noqa: E402
+from shardlint.moe.layers import _experts as moe_experts  # noqa: E402
 
 # Dense bf16 peak FLOP/s by device_kind (datasheet, no sparsity), most specific first.
 PEAKS = (("h100 pcie", 756e12), ("h100 nvl", 835e12), ("h100", 989e12), ("h200", 989e12),

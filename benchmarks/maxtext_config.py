@@ -55,8 +55,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     import shardlint
-    from shardlint.analyzer._compile import mesh_of
-    from shardlint.analyzer._topology import topology_devices
+    from shardlint.analyzer.compile._compile import mesh_of
+    from shardlint.analyzer.compile._topology import topology_devices
     from shardlint.integrations.maxtext import make_step
 
     devices = topology_devices(args.topology)

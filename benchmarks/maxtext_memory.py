@@ -71,14 +71,14 @@ def main(argv: list[str] | None = None) -> int:
     import jax
 
     import shardlint
-    from shardlint.analyzer._compile import mesh_of
-    from shardlint.analyzer._scaling import memory_scaling
+    from shardlint.analyzer.compile._compile import mesh_of
+    from shardlint.analyzer.memory._scaling import memory_scaling
     from shardlint.integrations.maxtext import make_step
 
     devices = None
     sizes = CPU
     if args.topology:
-        from shardlint.analyzer._topology import topology_devices
+        from shardlint.analyzer.compile._topology import topology_devices
 
         devices = topology_devices(args.topology)
         sizes = TPU   # one sequence per chip (make_step counts the topology's chips), as on CPU

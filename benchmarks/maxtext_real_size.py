@@ -102,8 +102,8 @@ def _line(row: dict, first: dict) -> str:
 
 
 def _point(args, context: int) -> dict:
-    from shardlint.analyzer._compile import mesh_of
-    from shardlint.analyzer._topology import topology_devices
+    from shardlint.analyzer.compile._compile import mesh_of
+    from shardlint.analyzer.compile._topology import topology_devices
     from shardlint.commands._sweep import analyze_pair
     from shardlint.integrations.maxtext import make_step
 

@@ -222,7 +222,7 @@ def main() -> int:
         devices = jax.devices()
         where = f"{len(devices)} simulated CPU devices"
     else:
-        from shardlint.analyzer._topology import topology_devices
+        from shardlint.analyzer.compile._topology import topology_devices
 
         devices = topology_devices(args.topology)
         where = f"the TPU compiler for {args.topology} ({len(devices)} chips, AOT)"

@@ -5,7 +5,7 @@ the analysis grows with the program XLA partitions: the instructions of the part
 module (layers), and the replica groups and collective table (chips). Simulated CPU
 devices stop at 1024 here (4096 fail to compile: "Multiprocess computations aren't
 implemented on the CPU backend"), so every size compiles with the TPU compiler for a v5p
-topology through libtpu AOT (`shardlint.analyzer._topology`; no TPU attached, nothing
+topology through libtpu AOT (`shardlint.analyzer.compile._topology`; no TPU attached, nothing
 runs).
 
     python benchmarks/scale.py                  # every size, both paths; PASS/FAIL
@@ -109,7 +109,7 @@ def _peak_rss() -> int:
 
 def _step(size: Size):
     sys.path.insert(0, str(ROOT))  # run from a checkout
-    from shardlint.analyzer._topology import topology_mesh
+    from shardlint.analyzer.compile._topology import topology_mesh
     from shardlint.examples import decoder
 
     mesh = topology_mesh(size.mesh, size.topology)
@@ -181,7 +181,7 @@ def child_write(size: Size, folder: str) -> dict:
     import jax
 
     from shardlint import _jax
-    from shardlint.analyzer import _dump
+    from shardlint.analyzer.compile import _dump
 
     documented = _dump.DUMP_FLAGS.replace("'", "")
     if documented != DUMP_FLAGS.format(dir="DIR"):
@@ -201,7 +201,7 @@ def child_read(size: Size, folder: str) -> dict:
     sys.path.insert(0, str(ROOT))
     import shardlint
     from shardlint.analyzer import parse_hlo
-    from shardlint.analyzer._dump import read_dump
+    from shardlint.analyzer.compile._dump import read_dump
 
     imported = _peak_rss()
     start = time.perf_counter()

@@ -1,5 +1,5 @@
 """Each grouped-SwiGLU kernel alone, and the whole SwiGLU forward+backward, under variants
-of the Plan (`_gmm_plan.Plan`: pow2, tgmm_chunk) and of the SwiGLU's sigmoid, on a TPU
+of the Plan (`_plan.Plan`: pow2, tgmm_chunk) and of the SwiGLU's sigmoid, on a TPU
 chip; rows routed at random (T tokens, top-K of E experts), D x F. A probe for issue 43.
 
     python benchmarks/tpu_gmm_probe.py [--experts 64 128] [--what kernels,swiglu,silu]
@@ -29,7 +29,11 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from shardlint.moe import _experts, _gmm, _gmm_kernels, _gmm_plan, _permute  # noqa: E402
+from shardlint.moe.layers import _experts  # noqa: E402
+from shardlint.moe.kernels import _gmm
+from shardlint.moe.kernels import _kernels as _gmm_kernels
+from shardlint.moe.kernels import _plan as _gmm_plan
+from shardlint.moe.kernels import _permute
 from _common import median_seconds  # noqa: E402
 
 PEAK = 197e12

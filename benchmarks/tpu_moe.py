@@ -8,7 +8,7 @@ warm-up calls, each to `jax.block_until_ready`.
 
 Kernel rows (forward, and forward+backward: the output and its VJP w.r.t. weights and input), the rows
 already grouped by expert: the grouped SwiGLU through `jax.lax.ragged_dot` (today's path),
-through shardlint's Pallas kernels (`shardlint.moe._gmm`, rows in tile-aligned groups),
+through shardlint's Pallas kernels (`shardlint.moe.kernels._gmm`, rows in tile-aligned groups),
 as expert-batched einsums at capacity, and a dense SwiGLU of the same FLOPs; then
 RoutedMoE end to end (route, permute, experts, unpermute, combine), today's path and the
 Pallas one.
@@ -30,7 +30,7 @@ end the run as PASS / FAIL lines (exit status 1 on a FAIL).
 
 --sweep adds the single kernels at each row tile (forward NN, input-gradient NT and
 weight-gradient TN products, against ragged_dot and megablox gmm), the permutation's
-pieces (what the tile choice in `_gmm_plan` was measured from) and gathers of rows by the
+pieces (what the tile choice in `_plan` was measured from) and gathers of rows by the
 layout's indices out of tables of several sizes. Where the backend is not a TPU
 it prints one skip line and exits 0 (--allow-cpu runs it anyway with small sizes in
 Pallas interpret mode, to check the script; those numbers mean nothing).
@@ -57,7 +57,11 @@ from jax.sharding import AxisType
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
 from shardlint import moe  # noqa: E402
-from shardlint.moe import _experts, _gmm, _gmm_kernels, _gmm_plan, _permute  # noqa: E402
+from shardlint.moe.layers import _experts  # noqa: E402
+from shardlint.moe.kernels import _gmm
+from shardlint.moe.kernels import _kernels as _gmm_kernels
+from shardlint.moe.kernels import _plan as _gmm_plan
+from shardlint.moe.kernels import _permute
 
 PEAKS = (("v4", 275e12), ("v5 lite", 197e12), ("v5e", 197e12), ("v5p", 459e12),
          ("v5", 459e12), ("v6 lite", 918e12), ("v6e", 918e12))

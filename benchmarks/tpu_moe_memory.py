@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from shardlint.analyzer import analyze
-from shardlint.analyzer._topology import topology_mesh
+from shardlint.analyzer.compile._topology import topology_mesh
 from shardlint.examples.steps import Sizes, make_per_shard_step, make_step
 
 TARGET = 1.15

@@ -119,7 +119,7 @@ JAXPR_LAYOUT = primitives(Role.LAYOUT)
 SAME_DIMS = primitives(Role.SAME_DIMS)
 WEIGHT_PATH_OPCODES = opcodes(Role.WEIGHT_PATH)
 # For the rewrites: the jaxpr routing ops (run per shard where XLA would gather their
-# inputs, `rewrites/_grow.py`) and the ops a routed finding names (`rewrites/_lost.py`, in
+# inputs, `rewrites/plan/_grow.py`) and the ops a routed finding names (`rewrites/trace/_lost.py`, in
 # the spelling findings use: a cumulative op detected in HLO without a JAX name is
 # "reduce-window"; JAX 0.12 often names the matmul that feeds top_k instead of top_k).
 ROUTING_PRIMITIVES = primitives(Role.ROUTING)
@@ -127,6 +127,8 @@ ROUTING_FINDING_OPS = primitives(Role.ROUTING_FINDING) | opcodes(Role.ROUTING_FI
 WRITTEN_COLLECTIVES = primitives(Role.WRITTEN)
 # What a finding may name for a running total over tokens (XLA:CPU lowers a cumsum to a
 # reduce-window and JAX 0.10 labels it `reduce_window_sum`), and the ops the rewrite runs per
-# shard where a finding names them (`analyzer/_wayout.py`'s `rewrite_reaches`).
+# shard where a finding names them (`analyzer/explain/_wayout.py`'s `rewrite_reaches`).
 CUMULATIVE = primitives(Role.CUMULATIVE) | opcodes(Role.CUMULATIVE)
+# The running totals `jax.lax.cum*` bind in a jaxpr (not `reduce_window`, which pools).
+CUMULATIVE_PRIMITIVES = frozenset({"cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp"})
 PER_SHARD_OPS = ROUTING_PRIMITIVES | CUMULATIVE

@@ -8,7 +8,7 @@ must show the frames that are the user's: this module drops frames inside JAX an
 libraries around it, the Python standard library and shardlint's own machinery, decided by
 where the file lies on disk, and renders the rest relative to the working directory or the
 `sys.path` entry that holds it. Paths in XLA's stack-frame tables (read by
-`analyzer/_stack.py`) are absolute, as JAX recorded them when it traced; frames are `Source`
+`analyzer/parse/_stack.py`) are absolute, as JAX recorded them when it traced; frames are `Source`
 records with those paths until `shown` gives them the path a user reads.
 
 Which of the user's frames to show (`shown_frames`): MaxText wraps every sharding

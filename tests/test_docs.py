@@ -114,7 +114,7 @@ def test_a_quoted_source_line_holds_the_op_named_with_it(where, path, line, befo
 ])
 def test_a_wrong_line_number_fails(before, after, line, expected):
     """The check itself: the right line passes, a neighbouring line or another op does not."""
-    source = ROOT / "shardlint/moe/_routing.py"
+    source = ROOT / "shardlint/moe/layers/_routing.py"
     text = source.read_text(encoding="utf-8").splitlines()
     at = next(i for i, x in enumerate(text, 1) if "top_k(" in x)   # the line the cases quote
     compat = (ROOT / "shardlint/moe/_compat.py").read_text(encoding="utf-8").splitlines()
@@ -122,7 +122,7 @@ def test_a_wrong_line_number_fails(before, after, line, expected):
     if "sort at" in before or "reshape at" in before:
         path, line = "shardlint/moe/_compat.py", sort_at + line - 38
     else:
-        path, line = "shardlint/moe/_routing.py", at + line - 34
+        path, line = "shardlint/moe/layers/_routing.py", at + line - 34
     assert (mismatch(path, line, before, after) is None) is expected
 
 

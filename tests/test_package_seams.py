@@ -6,7 +6,7 @@ checker and an import graph (issue 42).
 
 Read from the source with `ast`: an import `from ..analyzer._stack import x` (or
 `from ..analyzer import _stack`) in shardlint/rewrites fails here, and so does a string that
-names a shardlint module (`"shardlint.analyzer._peak"`, the stuff of an `importlib` table).
+names a shardlint module (`"shardlint.analyzer.memory._peak"`, the stuff of an `importlib` table).
 The top-level leaf modules (`shardlint/_errors.py`, `_vocab.py`, `_source.py`, `_jax.py`,
 ...) belong to every package. The package face (`shardlint/__init__.py`) alone keeps a lazy
 table of its public subpackages, so that `import shardlint` (which every pytest session
@@ -39,11 +39,10 @@ def _tree(path: Path, source: str | None) -> ast.AST:
     return ast.parse(path.read_text() if source is None else source)
 
 
-def cross_package_private_imports(path: Path, source: str | None = None) -> list[str]:
-    """`line: module` for each import in the module at `path` (its text: `source`, or the
-    file's) of a private module of another package."""
-    here = path.relative_to(PACKAGE.parent).with_suffix("").parts
-    package = here[:-1]
+def _imports(path: Path, source: str | None = None) -> list[tuple[int, list[str]]]:
+    """`(line, module)` for each shardlint module the module at `path` imports: the `from`
+    module, and each imported name that is a module itself (`from . import _refusals`)."""
+    package = path.relative_to(PACKAGE.parent).with_suffix("").parts[:-1]
     found = []
     for node in ast.walk(_tree(path, source)):
         if not isinstance(node, ast.ImportFrom):
@@ -52,13 +51,22 @@ def cross_package_private_imports(path: Path, source: str | None = None) -> list
         target = base + (node.module.split(".") if node.module else [])
         if not target or target[0] != "shardlint":
             continue
-        modules = [target] + [target + [a.name] for a in node.names
-                              if a.name.startswith("_") and _is_module(target + [a.name])]
-        for module in modules:
-            if len(module) < 3 or not module[2].startswith("_"):
-                continue
-            if len(package) < 2 or module[1] != package[1]:
-                found.append(f"{node.lineno}: {'.'.join(module)}")
+        found.append((node.lineno, target))
+        found += [(node.lineno, target + [a.name]) for a in node.names if _is_module(target + [a.name])]
+    return found
+
+
+def private_imports_across_seams(path: Path, source: str | None = None) -> list[str]:
+    """`line: module` for each import in the module at `path` of a private module (`_x`) that
+    is neither its own package's nor an enclosing package's: a private module is seen from its
+    package and from the packages below it, and from anywhere else through its package's face
+    (a stage folder's `__init__` too)."""
+    package = path.relative_to(PACKAGE.parent).with_suffix("").parts[:-1]
+    found = []
+    for line, module in _imports(path, source):
+        private = next((i for i, part in enumerate(module) if part.startswith("_")), None)
+        if private is not None and tuple(module[:private]) != package[:private]:
+            found.append(f"{line}: {'.'.join(module)}")
     return found
 
 
@@ -87,7 +95,7 @@ def _modules():
 
 def test_no_package_imports_another_packages_private_module():
     offenders = {str(p.relative_to(PACKAGE.parent)): found
-                 for p in _modules() for found in [cross_package_private_imports(p)] if found}
+                 for p in _modules() for found in [private_imports_across_seams(p)] if found}
     assert not offenders, (
         "import these through the package's __init__ (add a plain re-export there) or move "
         "them to a top-level ground module: "
@@ -95,11 +103,54 @@ def test_no_package_imports_another_packages_private_module():
 
 
 def test_the_check_finds_such_an_import():
-    """The walk above can fail: a rewrites module importing the analyzer's _stack."""
-    source = ("from ..analyzer._stack import display_path\nfrom ..analyzer import _detect\n"
-              "from .._errors import RewriteError\nfrom ._trace import Tokens\n")
-    assert cross_package_private_imports(PACKAGE / "rewrites" / "_probe.py", source) == [
-        "1: shardlint.analyzer._stack", "2: shardlint.analyzer._detect"]
+    """The walk above can fail: a planner module importing the analyzer's parser of stack
+    tables, a detector, and the private module of the rewrite's trace stage; its own stage's,
+    its package's and the ground's private modules are its to import."""
+    source = ("from ...analyzer.parse._stack import parse_stack_frames\n"
+              "from ...analyzer.explain import _detect\nfrom ..._errors import RewriteError\n"
+              "from ..trace._trace import Tokens\nfrom ._grow import Grower\n"
+              "from .._step import JittedStep\nfrom ..trace import Tokens\n")
+    assert private_imports_across_seams(PACKAGE / "rewrites" / "plan" / "_probe.py", source) == [
+        "1: shardlint.analyzer.parse._stack", "2: shardlint.analyzer.explain._detect",
+        "4: shardlint.rewrites.trace._trace"]
+
+
+# The stages of each package, first to last: a stage imports only the stages before it.
+STAGES = {
+    "analyzer": ["parse", "compile", "graph", "explain", "memory"],
+    "rewrites": ["shard", "trace", "plan", "emit", "routes"],
+    "moe": ["kernels", "layers"],
+}
+
+
+def imports_of_later_stages(path: Path, source: str | None = None) -> list[str]:
+    """`line: module` for each import in the module at `path`, inside one of `STAGES`, of its
+    own stage's successors."""
+    here = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    stages = STAGES.get(here[1], []) if len(here) > 3 else []
+    if not stages or here[2] not in stages:
+        return []
+    return [f"{line}: {'.'.join(module)}" for line, module in _imports(path, source)
+            if module[1:2] == [here[1]] and len(module) > 2 and module[2] in stages
+            and stages.index(module[2]) > stages.index(here[2])]
+
+
+def test_each_stage_imports_only_the_stages_before_it():
+    offenders = {str(p.relative_to(PACKAGE.parent)): found
+                 for p in _modules() for found in [imports_of_later_stages(p)] if found}
+    assert not offenders, "; ".join(f"{f} line {', line '.join(lines)}" for f, lines in offenders.items())
+
+
+def test_the_stage_check_finds_an_import_of_a_later_stage():
+    source = "from ..emit import emit\nfrom ..trace import Tokens\nfrom .._step import JittedStep\n"
+    assert imports_of_later_stages(PACKAGE / "rewrites" / "plan" / "_probe.py", source) == [
+        "1: shardlint.rewrites.emit"]
+
+
+def test_the_jaxpr_toolkit_imports_neither_the_analyzer_nor_the_rewrite():
+    """Both ask jaxpr questions of `shardlint.jaxpr`, which stands below them."""
+    loaded = _imported_after("import shardlint.jaxpr")
+    assert not [m for m in loaded if m.split(".")[1:2] in (["analyzer"], ["rewrites"])], loaded
 
 
 def test_no_module_resolves_shardlint_modules_by_name_at_run_time():
@@ -115,13 +166,13 @@ def test_no_module_resolves_shardlint_modules_by_name_at_run_time():
 def test_the_check_finds_a_table_of_module_names():
     """The walk above can fail: the `importlib` table `shardlint/internal.py` once was."""
     source = ('import importlib\n'
-              '_LENT = {"display_path": "shardlint.analyzer._stack",\n'
+              '_LENT = {"display_path": "shardlint.analyzer.parse._stack",\n'
               '         "record": "shardlint.gate._gate"}\n'
               'mod = importlib.import_module(f"shardlint.analyzer.{name}")\n'
               'peak = importlib.import_module("._peak", "shardlint.analyzer")\n'
               'BASELINE = "shardlint.baseline.json"\n')
     assert sorted(module_names_in_strings(PACKAGE / "_probe.py", source)) == [
-        "2: shardlint.analyzer._stack", "3: shardlint.gate._gate", "4: shardlint.analyzer.",
+        "2: shardlint.analyzer.parse._stack", "3: shardlint.gate._gate", "4: shardlint.analyzer.",
         "5: ._peak", "5: shardlint.analyzer"]
 
 
@@ -151,9 +202,9 @@ def test_the_face_the_command_line_and_the_source_and_op_readers_do_not_import_j
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("first", ["analyzer", "rewrites", "gate", "moe", "reports", "cli"])
+@pytest.mark.parametrize("first", ["analyzer", "rewrites", "jaxpr", "gate", "moe", "reports", "cli"])
 def test_the_packages_import_in_any_order(first):
     """No import cycle between the packages: each one imported first, in a fresh interpreter."""
-    rest = [m for m in ["analyzer", "rewrites", "gate", "moe", "reports", "cli", "commands", "testing"]
+    rest = [m for m in ["analyzer", "rewrites", "jaxpr", "gate", "moe", "reports", "cli", "commands", "testing"]
             if m != first]
     _imported_after("; ".join(f"import shardlint.{m}" for m in [first, *rest]))

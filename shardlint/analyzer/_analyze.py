@@ -17,23 +17,23 @@ import jaxlib
 from .. import _jax
 from .._vocab import ArgumentRole
 from .._errors import AnalysisError, HloParseError
-from ._attribution import attribute
-from ._buffers import memory_of_buffer_assignment, parse_buffer_assignment
-from ._causes import explain, with_gathered_tokens
-from ._collectives import collectives_of
-from ._compile import Compiled, compile_step
-from ._contracted import find_contracted_tokens
-from ._dataflow import provenance
-from ._detect import find_lost_sharding
-from ._dump import read_dump
-from ._given import mesh_of_module
-from ._graph import build_graph
-from ._hlo import parse_hlo
-from ._live_range import parse_live_range
+from .explain import attribute
+from .parse import memory_of_buffer_assignment, parse_buffer_assignment
+from .explain import explain, with_gathered_tokens
+from .explain import collectives_of
+from .compile import Compiled, compile_step
+from .explain import find_contracted_tokens
+from .graph import provenance
+from .explain import find_lost_sharding
+from .compile import read_dump
+from .parse import mesh_of_module
+from .graph import build_graph
+from .parse import parse_hlo
+from .parse import parse_live_range
 from ._model import Analysis, Memory
-from ._peak import peak_buffers
-from ._stablehlo import asked_for
-from ._topology import libtpu_version
+from .memory import peak_buffers
+from .parse import asked_for
+from .compile import libtpu_version
 
 
 def analyze(fn: Callable, *args, mesh=None, params_argnums: tuple[int, ...] | None = None,

@@ -2,13 +2,13 @@
 axis under context parallelism, the layer that keeps it, and the Qwen3-Next block."""
 
 from .._token_axes import TokenAxes as TokenAxes
-from ._axes import MoeShardingError as MoeShardingError
-from ._config import MoeConfig as MoeConfig
-from ._config import MoeConfigError as MoeConfigError
-from ._config import Sizes as Sizes
-from ._experts import init_moe_params as init_moe_params
-from ._qwen3_next import Qwen3NextSparseMoeBlock as Qwen3NextSparseMoeBlock
-from ._reference import RoutedMoE as RoutedMoE
-from ._reference import served_by as served_by
-from ._routing import route as route
-from ._sharded import ShardedRoutedMoE as ShardedRoutedMoE
+from .layers import MoeShardingError as MoeShardingError
+from .layers import MoeConfig as MoeConfig
+from .layers import MoeConfigError as MoeConfigError
+from .layers import Sizes as Sizes
+from .layers import init_moe_params as init_moe_params
+from .layers import Qwen3NextSparseMoeBlock as Qwen3NextSparseMoeBlock
+from .layers import RoutedMoE as RoutedMoE
+from .layers import served_by as served_by
+from .layers import route as route
+from .layers import ShardedRoutedMoE as ShardedRoutedMoE

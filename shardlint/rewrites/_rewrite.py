@@ -22,9 +22,9 @@ from .._errors import NothingToRewrite, RewriteError, ShardlintError, first_line
 from .._token_axes import TokenAxes
 from .._wrapped import is_nnx_jit
 from .._source import display_path, is_library_file
-from ._lost import lost_in
-from ._nnx import NnxRewrittenStep
-from ._rewritten import RewrittenStep, warn_unchanged
+from .trace import lost_in
+from .routes import NnxRewrittenStep
+from .routes import RewrittenStep, warn_unchanged
 from ._step import JittedStep
 from ._verify import verify_same
 
@@ -58,7 +58,7 @@ def rewrite(step: Callable, mesh, *, verify: bool | None = None, args: tuple | N
     arguments: at once when `args` is given), and a `NothingToRewrite` warning says so
     when nothing was.
     """
-    from ._swap import swap_moe_layers
+    from .routes import swap_moe_layers
 
     if capacity not in ("global", "per-shard"):
         raise RewriteError(f"capacity={capacity!r}: expected 'global' (the default: refuse a capacity "

@@ -45,8 +45,8 @@ from .. import _jax
 from .._errors import RewriteError
 from .._ops import JAXPR_LAYOUT
 from .._wrapped import as_jitted
-from ._shard_shapes import elementwise
-from ._subjaxprs import sub_of
+from .shard import elementwise
+from ..jaxpr import sub_of
 
 FLOAT32_RTOL = FLOAT32_ATOL = 1e-5
 

@@ -180,7 +180,7 @@ def test_expert_weights_are_stacked_weights_whose_leading_dim_is_kept(spec, shap
     attention's 3-D kernels contract theirs; activations (token values) are not weights."""
     import jax.numpy as jnp
 
-    from shardlint.analyzer._patterns import reads_expert_weights
+    from shardlint.jaxpr import reads_expert_weights
 
     def f(x, w):
         if transpose == "layer 1":

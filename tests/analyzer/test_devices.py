@@ -17,10 +17,10 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from shardlint.analyzer import MeshInfo, parse_replica_groups, parse_sharding
-from shardlint.analyzer._compile import compile_step
+from shardlint.analyzer.compile._compile import compile_step
 from shardlint import HloParseError
-from shardlint.analyzer._devices import axes_of_groups, replica_group_axes
-from shardlint.analyzer._hlo import parse_hlo
+from shardlint.analyzer.parse._devices import axes_of_groups, replica_group_axes
+from shardlint.analyzer.parse._hlo import parse_hlo
 
 from support import make_mesh
 

@@ -24,7 +24,7 @@ import jax
 import pytest
 
 from shardlint import AnalysisError, HloParseError, analyze, analyze_dump
-from shardlint.analyzer._dump import read_dump
+from shardlint.analyzer.compile._dump import read_dump
 
 from support import partitioners
 from support.dump_job import build
@@ -71,7 +71,7 @@ def test_tpu_dump_gives_the_live_findings_in_full(tmp_path):
     """libtpu AOT (the real TPU compiler): `ragged-dot` reaches XLA, so nothing is lost in
     the dump; memory: the same arguments and outputs, and the temp of the buffer
     assignment, which leaves out runtime buffers `memory_analysis()` counts."""
-    from shardlint.analyzer._topology import LibtpuError, check_libtpu, topology_mesh
+    from shardlint.analyzer.compile._topology import LibtpuError, check_libtpu, topology_mesh
 
     try:
         check_libtpu()

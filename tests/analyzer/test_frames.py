@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from shardlint.analyzer import Analysis, Collective, Memory, Source
 from shardlint._source import frames_text
-from shardlint.analyzer._frames import helper_frames
+from shardlint.analyzer.memory._frames import helper_frames
 
 HELPER = Source("maxtext/utils/sharding.py", 128, "maybe_shard_with_name")
 WRAPPER = Source("maxtext/layers/moe.py", 1216, "_maybe_shard_with_logical")

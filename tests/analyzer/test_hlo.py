@@ -10,9 +10,9 @@ from jax.sharding import PartitionSpec as P
 
 from shardlint import HloParseError
 from shardlint.analyzer import MeshInfo, collectives_of, parse_hlo
-from shardlint.analyzer._devices import parse_tuple_sharding
-from shardlint.analyzer._hlo_text import _parse_attrs
-from shardlint.analyzer._trips import trip_count
+from shardlint.analyzer.parse._devices import parse_tuple_sharding
+from shardlint.analyzer.parse._hlo_text import _parse_attrs
+from shardlint.analyzer.graph._trips import trip_count
 
 from support import collective_steps, make_mesh
 

@@ -25,10 +25,10 @@ from hypothesis import strategies as st
 
 from shardlint import HloParseError
 from shardlint.analyzer import MeshInfo
-from shardlint.analyzer._collectives import collectives_of
-from shardlint.analyzer._trips import executions, trip_count
-from shardlint.analyzer._graph import build_graph
-from shardlint.analyzer._hlo import Instruction, parse_hlo
+from shardlint.analyzer.explain._collectives import collectives_of
+from shardlint.analyzer.graph._trips import executions, trip_count
+from shardlint.analyzer.graph._graph import build_graph
+from shardlint.analyzer.parse._hlo import Instruction, parse_hlo
 from shardlint.examples import steps
 
 from support import build_mesh, cause_steps, collective_steps

@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 
 from shardlint.analyzer import Analysis, Memory, fit_of
-from shardlint.analyzer._compile import no_fit
+from shardlint.analyzer.compile._compile import no_fit
 from shardlint.analyzer._model import NoFit
 
 GIB = 2 ** 30

@@ -18,9 +18,9 @@ from jax.sharding import PartitionSpec as P
 
 import shardlint
 from shardlint import AnalysisError
-from shardlint.analyzer._buffers import parse_buffer_assignment, value_name
-from shardlint.analyzer._live_range import parse_live_range
-from shardlint.analyzer._peak import _paint, peak_lines
+from shardlint.analyzer.parse._buffers import parse_buffer_assignment, value_name
+from shardlint.analyzer.parse._live_range import parse_live_range
+from shardlint.analyzer.memory._peak import _paint, peak_lines
 
 from support.dumps import FULL_FLAGS, live_analysis, write_dumps
 

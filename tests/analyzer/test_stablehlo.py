@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from shardlint.analyzer._stablehlo import asked_for
+from shardlint.analyzer.parse._stablehlo import asked_for
 from shardlint.examples import steps
 
 

@@ -13,11 +13,13 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from shardlint.analyzer import Source, _detect, _hlo
-from shardlint.analyzer._hlo import parse_hlo
+from shardlint.analyzer import Source
+from shardlint.analyzer.explain import _detect
+from shardlint.analyzer.parse import _hlo
+from shardlint.analyzer.parse._hlo import parse_hlo
 from shardlint._source import display_path, user_stack
 from shardlint.examples import steps
-from shardlint.moe import _routing
+from shardlint.moe.layers import _routing
 
 from support.markers import marker_line
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import shardlint
-from shardlint.analyzer._xla_log import captured_stderr, involuntary_rematerializations
+from shardlint.analyzer.compile._xla_log import captured_stderr, involuntary_rematerializations
 
 from support.collective_steps import make_remat_step, marker_line
 

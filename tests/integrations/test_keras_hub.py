@@ -30,7 +30,7 @@ if importlib.util.find_spec("keras_hub") is None:
 
 import shardlint  # noqa: E402
 from shardlint import cli  # noqa: E402
-from shardlint.analyzer._compile import mesh_of  # noqa: E402
+from shardlint.analyzer.compile._compile import mesh_of  # noqa: E402
 from shardlint.integrations import keras_hub  # noqa: E402
 from shardlint.rewrites import verify_same  # noqa: E402
 

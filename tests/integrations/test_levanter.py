@@ -26,7 +26,7 @@ pytest.importorskip("levanter", reason="Levanter is not installed: pip install -
 
 import shardlint  # noqa: E402
 from shardlint import cli  # noqa: E402
-from shardlint.analyzer._compile import mesh_of  # noqa: E402
+from shardlint.analyzer.compile._compile import mesh_of  # noqa: E402
 from shardlint.integrations import levanter  # noqa: E402
 from shardlint.rewrites import verify_same  # noqa: E402
 

@@ -22,8 +22,8 @@ import pytest
 pytest.importorskip("maxtext", reason="MaxText is not installed: pip install -e '.[maxtext]' (Python 3.12+)")
 
 import shardlint  # noqa: E402
-from shardlint.analyzer._compile import mesh_of  # noqa: E402
-from shardlint.analyzer._peak import peak_lines  # noqa: E402
+from shardlint.analyzer.compile._compile import mesh_of  # noqa: E402
+from shardlint.analyzer.memory._peak import peak_lines  # noqa: E402
 from shardlint.integrations import maxtext  # noqa: E402
 from shardlint.rewrites._verify import random_like  # noqa: E402
 

@@ -106,7 +106,7 @@ def test_second_analysis_with_maxtexts_compile_cache_is_the_same(dense):
 
 @pytest.fixture(scope="module", params=[2, 4], ids=lambda c: f"context={c}")
 def dense_rewritten(request, cache_dir):
-    from shardlint.analyzer._compile import mesh_of
+    from shardlint.analyzer.compile._compile import mesh_of
 
     context = request.param
     fn, args = maxtext_moe.make_moe_step(sparse=False, context=context, data=8 // context,
@@ -134,7 +134,7 @@ def test_dense_path_rewrite_keeps_loss_and_gradients(dense_rewritten):
 
 
 def test_sparse_path_is_returned_unchanged(cache_dir):
-    from shardlint.analyzer._compile import mesh_of
+    from shardlint.analyzer.compile._compile import mesh_of
 
     fn, args = maxtext_moe.make_moe_step(sparse=True, jax_cache_dir=cache_dir)
     with pytest.warns(shardlint.NothingToRewrite):
@@ -170,7 +170,7 @@ def test_dense_path_causes_do_not_depend_on_the_signature(dense_in_signatures, d
 
 
 def test_dense_path_is_rewritten_alike_in_every_signature(dense_in_signatures):
-    from shardlint.analyzer._compile import mesh_of
+    from shardlint.analyzer.compile._compile import mesh_of
     from shardlint.rewrites import verify_same
 
     for sig, (step, args, analysis) in dense_in_signatures.items():

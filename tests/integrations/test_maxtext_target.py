@@ -19,7 +19,7 @@ pytest.importorskip("maxtext", reason="MaxText is not installed: pip install -e 
 
 import shardlint  # noqa: E402
 from shardlint import cli  # noqa: E402
-from shardlint.analyzer._compile import mesh_of  # noqa: E402
+from shardlint.analyzer.compile._compile import mesh_of  # noqa: E402
 from shardlint.integrations import maxtext  # noqa: E402
 from shardlint.rewrites import verify_same  # noqa: E402
 

@@ -3,7 +3,7 @@ multi-device CPU tests (`test_sharded_pallas.py`) and the one-chip check
 (`tests/tpu/moe_pallas_one_chip.py`) share. No tests here.
 
 `layer_vjp` traces a fresh function with the kernel scope entered inside it: `jax.jit`
-caches one trace per function, and `_gmm_plan.grouped_kernel` is read only while tracing,
+caches one trace per function, and `_plan.grouped_kernel` is read only while tracing,
 so a function jitted once and called under two scopes runs the first scope's kernel twice
 (test_gmm's comparisons did, before this).
 
@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from shardlint.moe import _gmm_plan
+from shardlint.moe.kernels import _plan as _gmm_plan
 
 F32_TOL = 1e-5
 # bfloat16 roundings that may differ between the two paths (the module docstring says which)

@@ -18,7 +18,13 @@ import pytest
 
 import pallas_paths
 from shardlint import moe
-from shardlint.moe import _experts, _gather, _gmm, _gmm_grid, _gmm_kernels, _gmm_plan, _permute
+from shardlint.moe.layers import _experts
+from shardlint.moe.kernels import _gather
+from shardlint.moe.kernels import _gmm
+from shardlint.moe.kernels import _grid as _gmm_grid
+from shardlint.moe.kernels import _kernels as _gmm_kernels
+from shardlint.moe.kernels import _plan as _gmm_plan
+from shardlint.moe.kernels import _permute
 
 
 def _groups(seed: int, M: int, G: int, padding: bool) -> jax.Array:
@@ -293,7 +299,7 @@ def test_grouped_swiglu_pallas_in_blocks_of_several_tiles_matches_ragged_dot(moe
 
 @pytest.mark.parametrize("nsub", [2, 4, 8])
 def test_chunks_run_from_each_groups_first_tile(nsub):
-    """The weight gradient's visits (`_gmm_grid.chunks`): runs of up to nsub tiles of one
+    """The weight gradient's visits (`_grid.chunks`): runs of up to nsub tiles of one
     group, counted from the group's first tile, covering the tiles in use once each, in
     order; each read as the block of nsub tiles from tile `at` (inside the layout)."""
     M, G, tm = 96, 6, 4

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from shardlint.moe import _permute
+from shardlint.moe.kernels import _permute
 
 T, K, D, G, TM = 24, 2, 16, 4, 8
 

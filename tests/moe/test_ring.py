@@ -1,4 +1,4 @@
-"""The schedules of `shardlint.moe._ring`: the weight ring's products, and the whole
+"""The schedules of `shardlint.moe.layers._ring`: the weight ring's products, and the whole
 gather's in one piece or in 2n pieces, equal the product with the whole weights,
 gradients included, on 2, 4 and 8 devices; and the layer computes the reference's numbers
 with either inside `lax.scan` under `jax.checkpoint`, as a scanned stack of layers is
@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec as P
 
 from shardlint import moe
 from shardlint._jax import shard_map
-from shardlint.moe._ring import WeightSlices
+from shardlint.moe.layers._ring import WeightSlices
 
 T, D, N = 16, 16, 8
 

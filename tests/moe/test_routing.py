@@ -14,7 +14,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shardlint import moe
-from shardlint.moe import _experts, _routing
+from shardlint.moe.layers import _experts
+from shardlint.moe.layers import _routing
 
 # One XLA program per (shape, config) instead of one per primitive in eager mode.
 _moe_tokens = jax.jit(_experts.moe_tokens, static_argnums=2)

@@ -21,8 +21,8 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from shardlint import moe
-from shardlint.moe._axes import as_axes
-from shardlint.moe._layout import EMBED_DIMS
+from shardlint.moe.layers._axes import as_axes
+from shardlint.moe.layers._layout import EMBED_DIMS
 
 DP_CP = ("data", "context")
 CASES = {

@@ -3,7 +3,7 @@ every gradient equal to the XLA path's (`ragged_dot`), on a data x context mesh 
 the expert weights sharded over an expert axis (all-to-all, or each device's experts on
 all its tokens) or over a tensor axis (also sequence-parallel).
 
-The Pallas path needs the expert weights whole along D on each device (`_gmm_plan.plan`),
+The Pallas path needs the expert weights whole along D on each device (`_plan.plan`),
 so every case here keeps `weight_axes=()`; the memory-lean default shards D and takes
 `ragged_dot`. The kernels run in Pallas interpret mode, one device's values at a time in
 a host callback (`_compat.per_device`: JAX's interpreters fail on values that vary over

@@ -234,7 +234,7 @@ def test_the_free_at_the_peak_column_is_explained_beside_it(page):
 
 
 def test_padding_is_worded_for_the_platform_that_compiled(page_text, pair):
-    from shardlint.analyzer._peak import _PADDING_WHY
+    from shardlint.analyzer.memory._peak import _PADDING_WHY
 
     before, _ = pair
     padding = [b for b in before.memory.peak_buffers if b.op == "padding"]

@@ -1,4 +1,4 @@
-"""Where values come from in a traced step (`shardlint.rewrites._origins`), on jaxprs JAX
+"""Where values come from in a traced step (`shardlint.rewrites.trace._origins`), on jaxprs JAX
 makes."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 
 from shardlint._jax import is_literal
-from shardlint.rewrites._origins import from_configuration
+from shardlint.rewrites.trace._origins import from_configuration
 
 
 def test_a_call_whose_body_returns_a_literal_is_configuration_there():

@@ -13,7 +13,7 @@ import pytest
 
 import shardlint
 from shardlint.rewrites import verify_same
-from shardlint.rewrites._subjaxprs import sub_of
+from shardlint.jaxpr._inner import sub_of
 
 from support import build_mesh, cause_steps, context_mesh, rewrite_steps
 from support.cause_steps import LAYERS
@@ -265,7 +265,7 @@ def test_per_shard_capacity_changes_which_tokens_drop(mesh):
 def test_jax_refusing_the_emitted_step_is_a_rewrite_error(monkeypatch, mesh):
     # Whatever JAX raises while tracing the rewritten step reaches the user as a
     # RewriteError that says so, never as a raw traceback.
-    from shardlint.rewrites import _rewritten
+    from shardlint.rewrites.routes import _jaxpr as _rewritten
 
     def broken_emit(plan, mesh):
         def run(*flat):

@@ -89,7 +89,8 @@ def test_a_bug_of_shardlints_own_in_the_shape_pass_is_said_as_one(mesh, monkeypa
     """The shape pass goes on past an op JAX refuses at one shard's shapes, but not past an
     error of shardlint's own code: that is a RewriteError to report, never an op quietly
     taken for one that does not bind (and a step left 'with nothing to rewrite')."""
-    from shardlint.rewrites import _binder, _shard_shapes
+    from shardlint.rewrites.shard import _binder
+    from shardlint.rewrites.shard import _shape_rules as _shard_shapes
 
     fn, args = rewrite_steps.make_kernel_wrapper_step(mesh)
     # A broadcast's shape worked out by the slice rule: a KeyError inside shardlint.

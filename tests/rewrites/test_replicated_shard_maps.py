@@ -1,7 +1,7 @@
 """A library's own shard_maps in which every device computes the same thing (Levanter's
 Mixtral routes in three whose specs split nothing) are calls of their bodies: the rewrite
 inlines them and routes each shard's tokens through what they did, forward and backward
-(`shardlint.rewrites._inline`). A shard_map that splits anything stays as written."""
+(`shardlint.rewrites.trace._inline`). A shard_map that splits anything stays as written."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ from jax.sharding import PartitionSpec as P
 import shardlint
 from shardlint import _jax
 from shardlint.rewrites import verify_same
-from shardlint.rewrites._inline import inline_same_on_every_device
-from shardlint.rewrites._replay import replay
+from shardlint.rewrites.trace._inline import inline_same_on_every_device
+from shardlint.jaxpr._replay import replay
 from shardlint.rewrites._verify import random_like
 
 from support import rewrite_steps

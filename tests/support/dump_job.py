@@ -23,7 +23,7 @@ def build(step_name: str, axes: dict[str, int], topology: str | None):
     from support import build_mesh, cause_steps
 
     if topology:
-        from shardlint.analyzer._topology import topology_mesh
+        from shardlint.analyzer.compile._topology import topology_mesh
 
         mesh = topology_mesh(axes, topology)
     else:

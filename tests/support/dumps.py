@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from shardlint import analyze
-from shardlint.analyzer._dump import PROPAGATION_PASSES
+from shardlint.analyzer.compile._dump import PROPAGATION_PASSES
 
 from .dump_job import build
 from .processes import user_env

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from shardlint.analyzer._topology import LibtpuError, check_libtpu
+from shardlint.analyzer.compile._topology import LibtpuError, check_libtpu
 
 
 def pytest_collection_modifyitems(config, items):

@@ -128,10 +128,10 @@ def compile_only(topology: str, shapes: dict[str, tuple[int, ...]] | None = None
                  vmem_limit: int | None = None, **layer_kw: Any) -> list[str]:
     """The names of the cases that failed (none: all passed), compiled with libtpu for
     `topology` (no chip needed; the rest as for `cases`) at the VMEM limit `vmem_limit`
-    (None: the plan's without a TPU, `_gmm_plan.VMEM_LIMIT`): the Pallas path forced
+    (None: the plan's without a TPU, `_plan.VMEM_LIMIT`): the Pallas path forced
     ("pallas": "auto" chooses by the backend, here the CPU) holds the Mosaic kernels, the
     XLA path none."""
-    from shardlint.analyzer._topology import topology_devices
+    from shardlint.analyzer.compile._topology import topology_devices
 
     fails = []
     for case in cases(sizes, topology_devices(topology), shapes, abstract=True,

@@ -9,8 +9,8 @@ import importlib.metadata
 import pytest
 
 from shardlint.analyzer import Analysis, Memory
-from shardlint.analyzer import _fit as fitting
-from shardlint.analyzer import _topology as topo
+from shardlint.analyzer.memory import _fit as fitting
+from shardlint.analyzer.compile import _topology as topo
 from shardlint.cli import main
 from support.processes import user_env
 

@@ -24,8 +24,8 @@ pytest.importorskip("maxtext", reason="MaxText is not installed: pip install -e 
 
 import shardlint  # noqa: E402
 from shardlint.analyzer import FindingKind, fit_of  # noqa: E402
-from shardlint.analyzer._compile import mesh_of  # noqa: E402
-from shardlint.analyzer._topology import topology_devices  # noqa: E402
+from shardlint.analyzer.compile._compile import mesh_of  # noqa: E402
+from shardlint.analyzer.compile._topology import topology_devices  # noqa: E402
 from shardlint.integrations import maxtext  # noqa: E402
 
 pytestmark = [pytest.mark.tpu, pytest.mark.maxtext, pytest.mark.slow]

@@ -10,7 +10,7 @@ import pytest
 from jax.experimental.pallas import tpu as pltpu
 
 import moe_pallas_one_chip as one_chip
-from shardlint.moe import _gmm_plan
+from shardlint.moe.kernels import _plan as _gmm_plan
 
 
 def test_without_a_tpu_it_prints_one_skip_line(capsys):
@@ -52,7 +52,7 @@ def test_the_pallas_path_compiles_on_a_multi_chip_mesh(capsys):
     ("v6e:2x2", "TPU_V6E", 64)])
 def test_at_issue_43s_sizes_the_kernels_fit_each_chips_vmem(topology, chip, limit_mib):
     """At issue 43's sizes (D=2048, F=1024, 64 experts, top-8), on a 2 x 2 mesh of each
-    chip, at its limit (`_gmm_plan.vmem_limit_of` of its VMEM per core, JAX's
+    chip, at its limit (`_plan.vmem_limit_of` of its VMEM per core, JAX's
     `pltpu.get_tpu_info`: 16 MiB on a v4, where the kernels' blocks and the combine's token
     tiles shrink to fit; at 28 MiB, the v4's limit before, libtpu refused the SwiGLU: "Used
     17.68M of 16.00M vmem")."""

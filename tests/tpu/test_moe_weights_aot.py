@@ -1,7 +1,7 @@
 """ShardedRoutedMoE's gathered weights on the TPU compiler: one layer's at a time.
 
 The whole gather gathers each expert matrix for the forward pass and again for the
-backward pass (`shardlint.moe._ring`). If XLA may treat the two gathers as one, it keeps
+backward pass (`shardlint.moe.layers._ring`). If XLA may treat the two gathers as one, it keeps
 the forward's result until the backward pass: in a Python loop of layers (no scan), every
 layer's whole matrices then stay in memory from its forward pass to its backward. XLA:CPU
 does that whatever the code says (it drops optimization barriers before its last CSE
@@ -18,7 +18,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from shardlint import moe
-from shardlint.analyzer._topology import topology_mesh
+from shardlint.analyzer.compile._topology import topology_mesh
 
 pytestmark = pytest.mark.tpu
 

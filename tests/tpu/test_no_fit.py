@@ -12,7 +12,7 @@ import os
 import pytest
 
 from shardlint.analyzer import analyze, fit_of
-from shardlint.analyzer._topology import topology_mesh
+from shardlint.analyzer.compile._topology import topology_mesh
 from shardlint.cli import main
 
 from support import no_fit_step

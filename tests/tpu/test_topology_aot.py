@@ -16,7 +16,7 @@ import jax
 import pytest
 
 from shardlint.analyzer import analyze, parse_hlo
-from shardlint.analyzer._topology import libtpu_version, topology_devices, topology_mesh, topology_of
+from shardlint.analyzer.compile._topology import libtpu_version, topology_devices, topology_mesh, topology_of
 from shardlint.cli import main
 from shardlint.examples.steps import Sizes, make_per_shard_step, make_step
 
@@ -189,7 +189,7 @@ def test_sparsecore_computations_of_a_larger_v5p_are_read():
     """From v5p:2x2x2 on, libtpu offloads scatters to the SparseCore and ends those
     computations with `}, execution_thread="sparsecore"`; the partitioned module is read
     in full and the decoder's context flatten is found."""
-    from shardlint.analyzer._compile import compile_step
+    from shardlint.analyzer.compile._compile import compile_step
     from shardlint.examples import decoder
 
     mesh = topology_mesh({"data": 2, "context": 4}, "v5p:2x2x2")
@@ -251,7 +251,7 @@ def test_a_second_process_while_this_one_holds_libtpu_is_told_so():
     if os.environ.get("ALLOW_MULTIPLE_LIBTPU_LOAD"):
         pytest.skip("ALLOW_MULTIPLE_LIBTPU_LOAD is set: this process takes no lock on libtpu")
     topology_devices("v5e:2x2")   # this process holds libtpu now
-    ask = ("from shardlint.analyzer._topology import topology_devices, TopologyError\n"
+    ask = ("from shardlint.analyzer.compile._topology import topology_devices, TopologyError\n"
            "try:\n    topology_devices('v5e:2x2')\nexcept TopologyError as e:\n    print(e)\n")
     said = subprocess.run([sys.executable, "-c", ask], capture_output=True, text=True, timeout=300).stdout
     assert "libtpu is in use by another process on this machine" in said, said
