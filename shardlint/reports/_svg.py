@@ -246,67 +246,91 @@ def memory_chart_svg(axis: str, series: dict[str, list[tuple[int, int | None]]],
     ideals = {n: (ideals or {}).get(n) or ideal_line(series[n]) for n in names}
     top = _nice_ceiling(max((b for pts in (*lines.values(), *ideals.values()) for _, b in pts),
                             default=1) * 1.08)
-    log_x = values[0] > 0 and values[-1] / values[0] >= 4
-    plot_w = _CHART_W - _M_LEFT - _M_RIGHT
-    plot_h = _CHART_H - _M_TOP - _M_BOTTOM
-
-    def fx(v):
-        if len(values) == 1:
-            return _M_LEFT + plot_w / 2
-        if log_x:
-            t = math.log(v / values[0]) / math.log(values[-1] / values[0])
-        else:
-            t = (v - values[0]) / (values[-1] - values[0])
-        return _M_LEFT + t * plot_w
-
-    def fy(b):
-        return _M_TOP + plot_h * (1 - b / top)
-
+    frame = _Frame(values, top)
     out = [f'<svg class="chart" xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {_CHART_W} {_CHART_H}" '
            f'width="{_CHART_W}" height="{_CHART_H}" role="img" '
-           f'aria-label="{escape(metric)} against {escape(axis)}">']
-    for i in range(5):
-        b = top * i / 4
-        y = fy(b)
-        out.append(f'<line class="grid" x1="{_M_LEFT}" x2="{_M_LEFT + plot_w}" y1="{y:.1f}" y2="{y:.1f}"/>'
-                   f'<text class="tick" x="{_M_LEFT - 8}" y="{y + 4:.1f}" text-anchor="end">'
-                   f"{escape(_tick(b))}</text>")
-    for v in values:
-        x = fx(v)
-        out.append(f'<line class="tickmark" x1="{x:.1f}" x2="{x:.1f}" y1="{_M_TOP + plot_h}" '
-                   f'y2="{_M_TOP + plot_h + 5}"/><text class="tick" x="{x:.1f}" '
-                   f'y="{_M_TOP + plot_h + 20}" text-anchor="middle">{v}</text>')
-    out.append(f'<text class="axis-label" x="{_M_LEFT + plot_w / 2}" y="{_CHART_H - 8}" '
-               f'text-anchor="middle">{escape(axis)} (mesh axis size)</text>'
-               f'<text class="axis-label" transform="rotate(-90)" x="{-(_M_TOP + plot_h / 2)}" y="14" '
-               f'text-anchor="middle">{escape(metric)}</text>')
-    labels = {"before": "before", "after": "after rewrite"}
-    ends = []
+           f'aria-label="{escape(metric)} against {escape(axis)}">', frame.axes(axis, metric)]
     shared = len(names) == 2 and _same_line(ideals["before"], ideals["after"])
-    for name in names:
-        if len(ideals[name]) > 1 and not (shared and name == "after"):
-            cls = "ideal ideal-shared" if shared else f"ideal ideal-{name}"
-            coords = " ".join(f"{fx(v):.1f},{fy(b):.1f}" for v, b in ideals[name])
-            out.append(f'<polyline class="line {cls}" data-series="{"ideal" if shared else "ideal-" + name}" '
-                       f'points="{coords}"/>')
-            ends.append((fy(ideals[name][-1][1]), fx(ideals[name][-1][0]), cls,
-                         f"{'ideal ' if shared else ''}1/N · {human_bytes(ideals[name][-1][1])}"))
-    for name in names:
-        pts = lines[name]
-        if not pts:
-            continue
-        coords = " ".join(f"{fx(v):.1f},{fy(b):.1f}" for v, b in pts)
-        out.append(f'<polyline class="line {name}" points="{coords}"/>')
+    ends = [frame.ideal(name, ideals[name], shared) for name in names
+            if len(ideals[name]) > 1 and not (shared and name == "after")]
+    ends += [frame.series(name, lines[name], axis) for name in names if lines[name]]
+    out += [svg for svg, _ in ends]
+    out.append(_end_labels([end for _, end in ends]))
+    out.append("</svg>")
+    return Markup("".join(out))
+
+
+_LABELS = {"before": "before", "after": "after rewrite"}
+
+
+class _Frame:
+    """A chart's plot area: where an axis value and a byte count land, and its axes drawn."""
+
+    def __init__(self, values: list[int], top: float):
+        self.values, self.top = values, top
+        self.log_x = values[0] > 0 and values[-1] / values[0] >= 4
+        self.width = _CHART_W - _M_LEFT - _M_RIGHT
+        self.height = _CHART_H - _M_TOP - _M_BOTTOM
+
+    def x(self, v) -> float:
+        first, last = self.values[0], self.values[-1]
+        if len(self.values) == 1:
+            return _M_LEFT + self.width / 2
+        t = math.log(v / first) / math.log(last / first) if self.log_x else (v - first) / (last - first)
+        return _M_LEFT + t * self.width
+
+    def y(self, b) -> float:
+        return _M_TOP + self.height * (1 - b / self.top)
+
+    def points(self, pts) -> str:
+        return " ".join(f"{self.x(v):.1f},{self.y(b):.1f}" for v, b in pts)
+
+    def axes(self, axis: str, metric: str) -> str:
+        """Grid lines with byte ticks, the axis values' tick marks, and both axis labels."""
+        out = []
+        for i in range(5):
+            b = self.top * i / 4
+            y = self.y(b)
+            out.append(f'<line class="grid" x1="{_M_LEFT}" x2="{_M_LEFT + self.width}" y1="{y:.1f}" '
+                       f'y2="{y:.1f}"/><text class="tick" x="{_M_LEFT - 8}" y="{y + 4:.1f}" '
+                       f'text-anchor="end">{escape(_tick(b))}</text>')
+        bottom = _M_TOP + self.height
+        for v in self.values:
+            x = self.x(v)
+            out.append(f'<line class="tickmark" x1="{x:.1f}" x2="{x:.1f}" y1="{bottom}" '
+                       f'y2="{bottom + 5}"/><text class="tick" x="{x:.1f}" '
+                       f'y="{bottom + 20}" text-anchor="middle">{v}</text>')
+        out.append(f'<text class="axis-label" x="{_M_LEFT + self.width / 2}" y="{_CHART_H - 8}" '
+                   f'text-anchor="middle">{escape(axis)} (mesh axis size)</text>'
+                   f'<text class="axis-label" transform="rotate(-90)" x="{-(_M_TOP + self.height / 2)}" '
+                   f'y="14" text-anchor="middle">{escape(metric)}</text>')
+        return "".join(out)
+
+    def ideal(self, name: str, pts, shared: bool) -> tuple[str, tuple]:
+        """A dashed ideal line (one for both series where they coincide), and its end label."""
+        cls = "ideal ideal-shared" if shared else f"ideal ideal-{name}"
+        svg = (f'<polyline class="line {cls}" data-series="{"ideal" if shared else "ideal-" + name}" '
+               f'points="{self.points(pts)}"/>')
+        (v, b) = pts[-1]
+        return svg, (self.y(b), self.x(v), cls, f"{'ideal ' if shared else ''}1/N · {human_bytes(b)}")
+
+    def series(self, name: str, pts, axis: str) -> tuple[str, tuple]:
+        """A measured line with a point (and its tooltip) per value, and its end label."""
+        out = [f'<polyline class="line {name}" points="{self.points(pts)}"/>']
         for v, b in pts:
-            out.append(f'<circle class="point {name}" cx="{fx(v):.1f}" cy="{fy(b):.1f}" r="4.5" '
+            out.append(f'<circle class="point {name}" cx="{self.x(v):.1f}" cy="{self.y(b):.1f}" r="4.5" '
                        f'data-series="{name}" data-x="{v}" data-bytes="{int(b)}">'
-                       f"<title>{escape(labels[name])}: {escape(axis)}={v}, "
+                       f"<title>{escape(_LABELS[name])}: {escape(axis)}={v}, "
                        f"{escape(human_bytes(b))}</title></circle>")
-        ends.append((fy(pts[-1][1]), fx(pts[-1][0]), name, f"{labels[name]} · {human_bytes(pts[-1][1])}"))
-    placed: list[float] = []
-    for y, x, cls, text in sorted(ends):  # top to bottom, nudged apart
+        (v, b) = pts[-1]
+        return "".join(out), (self.y(b), self.x(v), name, f"{_LABELS[name]} · {human_bytes(b)}")
+
+
+def _end_labels(ends: list[tuple]) -> str:
+    """The lines' end labels, top to bottom, nudged apart."""
+    out, placed = [], []
+    for y, x, cls, text in sorted(ends):
         y = max([y + 4] + [p + 15 for p in placed])
         placed.append(y)
         out.append(f'<text class="end-label {cls}" x="{x + 10:.1f}" y="{y:.1f}">{escape(text)}</text>')
-    out.append("</svg>")
-    return Markup("".join(out))
+    return "".join(out)
