@@ -35,16 +35,14 @@ import dataclasses
 import networkx as nx
 
 from ..._vocab import REDUCTIONS, Cause, CollectiveKind, FindingKind, present, verb_of, words
-from ..graph import Provenance
+from ..graph import (dims_of, feeds_grouped_matmul, node_of, Provenance, sharding_of, source_of,
+    stack_key)
 from ._attribution import attribute
 from ._detect import describe, neighbourhood
-from ..graph import dims_of, node_of, sharding_of, source_of, stack_key
-from ..parse import HloModule
+from ..parse import Asked, HloModule
 from ..._op_paths import is_backward, primitive_of
 from ..._ops import NEEDS_WHOLE, TOKEN_PRIMITIVES, WRITTEN_COLLECTIVES, lowered_to
-from ..graph import feeds_grouped_matmul
 from .._model import Collective, Finding, Requested
-from ..parse import Asked
 from ..._source import Source, user_sources, user_stack
 from ._wayout import resharded_way_out, unsplit_way_out
 from ..compile import Remat
@@ -223,8 +221,8 @@ def _node_for(graph, stacks, key, op, op_path: str) -> str | None:
 
     def rank(n):
         data = node_of(graph, n)
-        return (primitive_of(data.op_path) != op, data.opcode not in opcodes, data.op_path != op_path,
-                is_backward(data.op_path) != is_backward(op_path), n)
+        return (data.primitive != op, data.opcode not in opcodes, data.op_path != op_path,
+                data.backward != is_backward(op_path), n)
 
     return min(candidates, key=rank)
 
@@ -320,7 +318,7 @@ def _remat_findings(remats: tuple[Remat, ...], graph) -> list[Finding]:
                      "sharded dimension stays a dimension of its own"),
             neighbourhood=neighbourhood(graph, node) if node is not None else None,
             cause=Cause.LOST, needed_by=op, stack=stack,
-            backward=is_backward(data.op_path) if data else False))
+            backward=data.backward if data else False))
     return found
 
 

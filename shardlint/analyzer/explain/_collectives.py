@@ -21,10 +21,9 @@ known trip counts of the loops around it (None when XLA does not know one).
 from __future__ import annotations
 
 from ..._vocab import COLLECTIVE_KINDS, CollectiveKind
-from ..parse import MeshInfo, axes_of_groups, axes_of_pairs, parse_replica_groups, replica_group_axes
-from ..parse import ArrayType, HloModule, Instruction
+from ..parse import (ArrayType, axes_of_groups, axes_of_pairs, HloModule, Instruction, MeshInfo,
+    parse_replica_groups, replica_group_axes)
 from .._model import Collective
-from ..._op_paths import primitive_of
 from ._readers import Readers
 from ..._source import Source, shown, user_stack
 from ..graph import executions
@@ -43,7 +42,7 @@ def collectives_of(module: HloModule, mesh: MeshInfo) -> tuple[Collective, ...]:
         if kind is None:
             continue
         consumer, needed_by = (readers.placed_for(instr, kind) if kind in _READ_BY_CONSUMER
-                               else (None, primitive_of(instr.op_name)))
+                               else (None, instr.primitive))
         found.append(_collective(instr, kind, is_async, mesh, instr.computation in loop_bodies, consumer,
                                  trips.get(instr.computation, 1), needed_by))
     return tuple(found)

@@ -21,14 +21,14 @@ import math
 
 import networkx as nx
 
-from ..._op_paths import is_backward, members_of
+from ..._op_paths import members_of
 from ..._source import user_sources
 from ..._vocab import REDUCTIONS, Cause, FindingKind
 from ._detect import describe, neighbourhood
 from ..parse import MeshInfo
-from ..graph import dims_of, node_of, operand_of, sharding_of, source_of
+from ..graph import (contracted_tokens, dims_of, matmuls_after_dispatch, node_of, operand_of,
+    sharding_of, source_of)
 from .._model import Collective, Finding
-from ..graph import contracted_tokens, matmuls_after_dispatch
 from ._wayout import contracted_way_out
 from ..._format import human_bytes
 
@@ -79,7 +79,7 @@ def _finding(graph, node, axes, sizes, members) -> Finding:
         message=message, way_out=contracted_way_out(axes),
         neighbourhood=neighbourhood(graph, node), operand_spec=sharding_of(graph, *operand).dims,
         operand_dims=dims_of(graph, *operand), cause=Cause.LOST, needed_by="dot_general",
-        stack=stack, backward=is_backward(data.op_path), replicated_bytes=held, repeated_flops=repeated)
+        stack=stack, backward=data.backward, replicated_bytes=held, repeated_flops=repeated)
 
 
 def _shards(graph, node, sizes, extra_dims=()) -> int:

@@ -18,12 +18,11 @@ import networkx as nx
 from ..._vocab import FindingKind
 from ..parse import MeshInfo, Sharding
 from ._attribution import Drop, attribute, link
-from ..graph import around, dims_of, node_of, operand_of, sharding_of, source_of
+from ..graph import (around, dims_of, feeds_grouped_matmul, node_of, operand_of, sharding_of,
+    source_of)
 from ..._reshape import reshape_groups
 from ..._source import user_sources
 from .._model import Collective, Finding, GraphNode, Neighbourhood, Requested
-from ..._op_paths import is_backward
-from ..graph import feeds_grouped_matmul
 from ._wayout import dropped_way_out
 
 _CONSTRAINT_TARGETS = {"Sharding", "xla.sdy.ShardingConstraint"}
@@ -169,7 +168,7 @@ def _finding(graph, node, op, lost, operand, element, feeds, ids, nbytes) -> Fin
                    result_shape=after, collectives=ids, bytes=nbytes, message=message, way_out=way_out,
                    neighbourhood=neighbourhood(graph, node), operand_spec=spec,
                    operand_dims=dims_of(graph, operand, element), needed_by=op,
-                   stack=user_sources(data.instr.stack), backward=is_backward(data.op_path))
+                   stack=user_sources(data.instr.stack), backward=data.backward)
 
 
 def neighbourhood(graph, node, radius: int = 2, limit: int = 14) -> Neighbourhood:

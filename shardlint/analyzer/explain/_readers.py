@@ -16,7 +16,6 @@ from __future__ import annotations
 
 from ..._vocab import CollectiveKind
 from ..parse import HloModule, Instruction
-from ..._op_paths import is_backward, primitive_of, transform_of
 from ..._ops import JAXPR_LAYOUT, NEEDS_WHOLE
 from ..._source import user_stack
 
@@ -44,7 +43,7 @@ class Readers:
         needed it)."""
         names_producer = _labels_its_operand(instr, self.by_name, self.marked)
         if _label_needs_it(instr, kind, names_producer):
-            return instr, primitive_of(instr.op_name)   # the op it was partitioning needs it whole
+            return instr, instr.primitive   # the op it was partitioning needs it whole
         consumer = _consumer(instr, self.users, self.module)
         if not _contracts(consumer):  # a weight or K/V gather is for the dot reading it
             consumer = _needing(instr, self.users, self.module) or consumer
@@ -57,7 +56,7 @@ def _label_needs_it(instr: Instruction, kind: CollectiveKind, names_producer: bo
     a sharding, propagation drops it (`_detect`, whose drops claim their gathers) or XLA
     moves the axis with an all-to-all; an all-gather labelled with a reshape nothing dropped
     at is for the op after it."""
-    own = primitive_of(instr.op_name)
+    own = instr.primitive
     return (own in NEEDS_WHOLE and not names_producer
             and not (own == "reshape" and kind == CollectiveKind.ALL_GATHER))
 
@@ -69,10 +68,10 @@ def _needed_by(instr: Instruction, consumer: Instruction | None, names_producer:
     an op further on). Where the label names the op that made the moved value (JAX 0.12
     labels a collective so), or an op that only re-lays a value (a transpose, a squeeze,
     a convert: the partitioner splits those any way), the reader it is for."""
-    own = primitive_of(instr.op_name)
+    own = instr.primitive
     if consumer is None:
         return own
-    theirs = primitive_of(consumer.op_name)
+    theirs = consumer.primitive
     relays = own in JAXPR_LAYOUT and own not in NEEDS_WHOLE
     return theirs if theirs in NEEDS_WHOLE or not own or ((names_producer or relays) and theirs) else own
 
@@ -109,8 +108,8 @@ def _first_reader(instr: Instruction, users, pick, hops: int | None = None, past
                 if past(user):
                     nxt.append(user)
         if found:
-            return min(found, key=lambda op: (is_backward(op.op_name) != is_backward(instr.op_name),
-                                              transform_of(op.op_name) != transform_of(instr.op_name),
+            return min(found, key=lambda op: (op.backward != instr.backward,
+                                              op.transform != instr.transform,
                                               _in_source_order(op)))
         frontier, depth = nxt, depth + 1
     return None
@@ -173,7 +172,7 @@ def _user_line(instr: Instruction) -> tuple[str, int] | None:
 
 def _contracts(instr: Instruction | None) -> bool:
     return instr is not None and (instr.opcode in ("dot", "convolution")
-                                  or primitive_of(instr.op_name) in ("dot_general", "conv_general_dilated"))
+                                  or instr.primitive in ("dot_general", "conv_general_dilated"))
 
 
 def _needing(instr: Instruction, users, module: HloModule, hops: int = 6) -> Instruction | None:
@@ -217,7 +216,7 @@ def _op_needing_whole(instr: Instruction, via: str, module: HloModule, users) ->
 
 def _needs_whole(instr: Instruction, via: str | None = None, module: HloModule | None = None) -> bool:
     """The op needs a whole dimension of what it reads (of the value `via`, when given)."""
-    return (primitive_of(instr.op_name) in NEEDS_WHOLE and instr.opcode not in _PASS_THROUGH
+    return (instr.primitive in NEEDS_WHOLE and instr.opcode not in _PASS_THROUGH
             and not (via is not None and _stores_whole(instr, via, module)))
 
 

@@ -13,8 +13,7 @@ import dataclasses
 
 import networkx as nx
 
-from ..parse import MeshInfo, Sharding, parse_tuple_sharding
-from ..parse import ArrayType, HloModule, Instruction
+from ..parse import ArrayType, HloModule, Instruction, MeshInfo, parse_tuple_sharding, Sharding
 from ..._source import Source, display_path, shown, user_sources
 
 
@@ -30,6 +29,14 @@ class OpNode:
     source: Source | None                   # the innermost frame, as XLA recorded it
     op_path: str                            # JAX's op path (the op_name XLA kept)
     grouped_matmul: bool                    # a dot at a grouped-matmul equation's line
+
+    @property
+    def backward(self) -> bool:
+        return self.instr.backward
+
+    @property
+    def primitive(self) -> str:
+        return self.instr.primitive
 
 
 def node_of(graph: nx.DiGraph, node: str) -> OpNode:

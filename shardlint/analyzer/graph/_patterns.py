@@ -16,7 +16,6 @@ import networkx as nx
 from ._dataflow import MOVES
 from ._graph import dims_of, node_of, operand_of, sharding_of
 from ..._reshape import reshape_groups
-from ..._op_paths import is_backward
 from ..._ops import WEIGHT_PATH_OPCODES
 
 _GMM_TARGET_WORDS = ("gmm", "ragged", "grouped", "megablox", "tgmm")
@@ -34,11 +33,11 @@ def feeds_grouped_matmul(graph: nx.DiGraph, start: str) -> bool:
     operand = operand_of(graph, start, 0)
     dims = dims_of(graph, operand[0], operand[1]) if operand else ()
     batch_seq = tuple(dims[:2]) if len(dims) >= 3 else None   # flattened tokens: not known
-    backward = is_backward(node_of(graph, start).op_path)
+    backward = node_of(graph, start).backward
     seen, queue = {(start, None)}, collections.deque([(start, None)])
     while queue:
         for user, element in _readers(graph, *queue.popleft()):
-            if (user, element) in seen or is_backward(node_of(graph, user).op_path) != backward:
+            if (user, element) in seen or node_of(graph, user).backward != backward:
                 continue
             seen.add((user, element))
             if is_grouped_matmul(graph, user):
@@ -80,12 +79,12 @@ def matmuls_after_dispatch(graph: nx.DiGraph, dispatch: str, most: int = 256) ->
     """The grouped matmuls that compute on a dispatch's result, within its pass: on through
     them and what re-lays or scales their values, up to the contraction that combines the
     experts' outputs (a dot that is no grouped matmul), which ends the walk."""
-    backward = is_backward(node_of(graph, dispatch).op_path)
+    backward = node_of(graph, dispatch).backward
     found, seen = [], {(dispatch, None)}
     queue = collections.deque([(dispatch, None)])
     while queue and len(seen) < most:
         for user, element in _readers(graph, *queue.popleft()):
-            if (user, element) in seen or is_backward(node_of(graph, user).op_path) != backward:
+            if (user, element) in seen or node_of(graph, user).backward != backward:
                 continue
             seen.add((user, element))
             if is_grouped_matmul(graph, user):

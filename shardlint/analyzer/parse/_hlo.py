@@ -37,6 +37,7 @@ import math
 import re
 
 from ..._errors import HloParseError
+from ..._op_paths import is_backward, primitive_of, transform_of
 from ..._source import Source
 from ._hlo_text import (
     _OPERAND_RE,
@@ -173,6 +174,21 @@ class Instruction:
     @_view
     def op_name(self) -> str:
         return _metadata_fields(self.attrs.get("metadata", "")).get("op_name", "")
+
+    @_view
+    def primitive(self) -> str:
+        """The JAX primitive its op path names (`primitive_of`), "" where none."""
+        return primitive_of(self.op_name)
+
+    @_view
+    def backward(self) -> bool:
+        """It belongs to the backward pass (`is_backward` of its op path)."""
+        return is_backward(self.op_name)
+
+    @_view
+    def transform(self) -> str:
+        """The transformations its op path runs under (`transform_of`)."""
+        return transform_of(self.op_name)
 
     @property
     def spmd_generated(self) -> bool:
@@ -354,90 +370,109 @@ def parse_hlo(text: str) -> HloModule:
         frames = parse_stack_frames(lines)
     except ValueError:  # a table's quoted name that is not C-escaped text
         raise _table_error(lines) from None
-    computations: dict[str, Computation] = {}
-    opened: dict[str, int] = {}  # computation -> line of its header
-    current: Computation | None = None
-    entry: Computation | None = None
-    names: dict[str, Instruction] = {}
-    root: Instruction | None = None
-    in_tables = False
-    index = 1
-    while index < len(lines):
-        number, line = index + 1, lines[index]
-        index += 1
-        stripped = line.strip()
-        if current is None:
-            if not stripped:
-                continue
-            if in_tables and stripped.partition(" ")[0].isdecimal():
-                continue  # a row of a stack-frame table (read by `parse_stack_frames`)
-            if stripped in _TABLES:
-                in_tables = True
-                continue
-            m = _COMP_RE.match(stripped)
-            if m is None:
-                raise HloParseError(_OUTSIDE, line, number)
-            current, in_tables = Computation(m.group(2), bool(m.group(1)), []), False
-            if current.name in computations:
-                raise HloParseError(f"a computation name not used before (%{current.name} is "
-                                    f"at line {opened[current.name]})", line, number)
-            if current.is_entry and entry is not None:
-                raise HloParseError(f"one ENTRY computation (%{entry.name} at line "
-                                    f"{opened[entry.name]} is one)", line, number)
-            entry = current if current.is_entry else entry
-            opened[current.name], names, root = number, {}, None
-            continue
-        if _CLOSE_RE.match(stripped):
-            _close(current, names, root, lines, opened[current.name], number)
-            computations[current.name] = current
-            current = None
-            continue
+    return HloModule(header.group(1), _ModuleReader(lines, frames).computations())
+
+
+class _ModuleReader:
+    """Reads a module's computations line by line, after its header: between computations
+    the stack-frame tables and a computation's header (`_open`); inside one, its
+    instructions (`_add`), each on one line or over several, up to its closing `}`
+    (`_close`)."""
+
+    def __init__(self, lines: list[str], frames):
+        self.lines, self.frames = lines, frames
+        self.index = 1                                   # the next line to read
+        self.found: dict[str, Computation] = {}
+        self.opened: dict[str, int] = {}                 # computation -> line of its header
+        self.entry: Computation | None = None
+        self.in_tables = False
+        self.names: dict[str, Instruction] = {}          # the open computation's instructions
+        self.root: Instruction | None = None
+
+    def computations(self) -> dict[str, Computation]:
+        current: Computation | None = None
+        while self.index < len(self.lines):
+            number, line = self.index + 1, self.lines[self.index]
+            self.index += 1
+            stripped = line.strip()
+            if current is None:
+                current = self._open(stripped, line, number)
+            elif _CLOSE_RE.match(stripped):
+                self._close(current, number)
+                current = None
+            elif stripped:
+                self._add(current, self._whole_instruction(stripped), line, number)
+        if current is not None:
+            raise HloParseError(f"`}}` closing computation %{current.name} (line "
+                                f"{self.opened[current.name]})", None, len(self.lines))
+        if self.entry is None:
+            raise HloParseError("an ENTRY computation", None, len(self.lines))
+        return self.found
+
+    def _open(self, stripped: str, line: str, number: int) -> Computation | None:
+        """A computation's header (None for a blank line or a stack-frame table's)."""
         if not stripped:
-            continue
-        # An attribute value may run over several lines (libtpu 0.0.50.1 prints
-        # `frontend_attributes={kernel_metadata={` and the metadata below it): the
-        # instruction goes on until its brackets and quotes close. Lines ending in a
-        # closing bracket (nearly all) are not scanned.
-        while index < len(lines) and stripped[-1] not in ")}]" and _unclosed(stripped):
-            stripped += " " + lines[index].strip()
-            index += 1
+            return None
+        if self.in_tables and stripped.partition(" ")[0].isdecimal():
+            return None  # a row of a stack-frame table (read by `parse_stack_frames`)
+        if stripped in _TABLES:
+            self.in_tables = True
+            return None
+        m = _COMP_RE.match(stripped)
+        if m is None:
+            raise HloParseError(_OUTSIDE, line, number)
+        current, self.in_tables = Computation(m.group(2), bool(m.group(1)), []), False
+        if current.name in self.found:
+            raise HloParseError(f"a computation name not used before (%{current.name} is "
+                                f"at line {self.opened[current.name]})", line, number)
+        if current.is_entry and self.entry is not None:
+            raise HloParseError(f"one ENTRY computation (%{self.entry.name} at line "
+                                f"{self.opened[self.entry.name]} is one)", line, number)
+        self.entry = current if current.is_entry else self.entry
+        self.opened[current.name], self.names, self.root = number, {}, None
+        return current
+
+    def _whole_instruction(self, stripped: str) -> str:
+        """An instruction's text, joined over lines: an attribute value may run over several
+        (libtpu 0.0.50.1 prints `frontend_attributes={kernel_metadata={` and the metadata
+        below it), and the instruction goes on until its brackets and quotes close. Lines
+        ending in a closing bracket (nearly all) are not scanned."""
+        while self.index < len(self.lines) and stripped[-1] not in ")}]" and _unclosed(stripped):
+            stripped += " " + self.lines[self.index].strip()
+            self.index += 1
+        return stripped
+
+    def _add(self, current: Computation, stripped: str, line: str, number: int) -> None:
         try:
-            instr = _parse_instruction(stripped, current.name, frames, number)
+            instr = _parse_instruction(stripped, current.name, self.frames, number)
         except _Unreadable as e:
             if _COMP_RE.match(stripped) and e.expected == _INSTRUCTION:
                 e.expected = (f"`}}` closing computation %{current.name} (line "
-                              f"{opened[current.name]}) before the next one")
+                              f"{self.opened[current.name]}) before the next one")
             raise HloParseError(e.expected, line if e.found is None else e.found, number) from None
-        if instr.name in names:
+        if instr.name in self.names:
             raise HloParseError(f"a name not used before in %{current.name} (%{instr.name} is "
-                                f"defined at line {names[instr.name].line})", line, number)
+                                f"defined at line {self.names[instr.name].line})", line, number)
         if instr.is_root:
-            if root is not None:
+            if self.root is not None:
                 raise HloParseError(f"one ROOT in %{current.name} (the first is at line "
-                                    f"{root.line})", line, number)
-            root = instr
-        names[instr.name] = instr
+                                    f"{self.root.line})", line, number)
+            self.root = instr
+        self.names[instr.name] = instr
         current.instructions.append(instr)
-    if current is not None:
-        raise HloParseError(f"`}}` closing computation %{current.name} (line "
-                            f"{opened[current.name]})", None, len(lines))
-    if entry is None:
-        raise HloParseError("an ENTRY computation", None, len(lines))
-    return HloModule(header.group(1), computations)
 
-
-def _close(comp: Computation, names: dict[str, Instruction], root: Instruction | None,
-           lines: list[str], opened: int, number: int) -> None:
-    """Checks a computation at its closing `}`: one ROOT, every operand defined in it."""
-    if root is None:
-        raise HloParseError(f"a ROOT instruction in computation %{comp.name} (lines "
-                            f"{opened}-{number})", "}", number)
-    for instr in comp.instructions:
-        for operand in instr.operands:
-            if operand not in names:
-                raise HloParseError(f"operand %{operand} to be an instruction of computation "
-                                    f"%{comp.name}", lines[instr.line - 1], instr.line)
-    comp.__dict__["_by_name"] = names  # the index `Computation.get` builds
+    def _close(self, comp: Computation, number: int) -> None:
+        """Checks a computation at its closing `}`: one ROOT, every operand defined in it."""
+        if self.root is None:
+            raise HloParseError(f"a ROOT instruction in computation %{comp.name} (lines "
+                                f"{self.opened[comp.name]}-{number})", "}", number)
+        for instr in comp.instructions:
+            for operand in instr.operands:
+                if operand not in self.names:
+                    raise HloParseError(f"operand %{operand} to be an instruction of computation "
+                                        f"%{comp.name}", self.lines[instr.line - 1], instr.line)
+        comp.__dict__["_by_name"] = self.names  # the index `Computation.get` builds
+        self.found[comp.name] = comp
 
 
 def _table_error(lines: list[str]) -> HloParseError:
