@@ -110,30 +110,11 @@ def no_ambient_mesh():
 
 # --- jaxpr replay (shardlint.rewrites). The same in JAX 0.10.2 through 0.12.0.1. ---------
 
-def is_literal(atom) -> bool:
-    """A jaxpr Literal (constant operand), as opposed to a Var."""
-    from jax._src import core
-
-    return isinstance(atom, core.Literal)
-
-
 def struct_of(aval, shape=None) -> jax.ShapeDtypeStruct:
     """An abstract value to trace with, weak type kept (a Python scalar's stays weak), at
     `shape` when given (one shard's, or a scan body's slice of a stacked value)."""
     return jax.ShapeDtypeStruct(tuple(aval.shape if shape is None else shape), aval.dtype,
                                 weak_type=getattr(aval, "weak_type", False))
-
-
-def equations(jaxpr):
-    """Every equation of an open jaxpr, and of the jaxprs its equations hold (calls, loop and
-    branch bodies, shard_maps), at any depth."""
-    for eqn in jaxpr.eqns:
-        yield eqn
-        for param in eqn.params.values():
-            for sub in param if isinstance(param, (list, tuple)) else (param,):
-                inner = getattr(sub, "jaxpr", sub)
-                if hasattr(inner, "eqns"):
-                    yield from equations(inner)
 
 
 def unplaced(value):

@@ -17,23 +17,14 @@ import jaxlib
 from .. import _jax
 from .._vocab import ArgumentRole
 from .._errors import AnalysisError, HloParseError
-from .explain import attribute
-from .parse import memory_of_buffer_assignment, parse_buffer_assignment
-from .explain import explain, with_gathered_tokens
-from .explain import collectives_of
-from .compile import Compiled, compile_step
-from .explain import find_contracted_tokens
-from .graph import provenance
-from .explain import find_lost_sharding
-from .compile import read_dump
-from .parse import mesh_of_module
-from .graph import build_graph
-from .parse import parse_hlo
-from .parse import parse_live_range
+from .explain import (attribute, collectives_of, explain, find_contracted_tokens,
+    find_lost_sharding, with_gathered_tokens)
+from .parse import (asked_for, memory_of_buffer_assignment, mesh_of_module,
+    parse_buffer_assignment, parse_hlo, parse_live_range)
+from .compile import compile_step, Compiled, libtpu_version, read_dump
+from .graph import build_graph, provenance
 from ._model import Analysis, Memory
 from .memory import peak_buffers
-from .parse import asked_for
-from .compile import libtpu_version
 
 
 def analyze(fn: Callable, *args, mesh=None, params_argnums: tuple[int, ...] | None = None,

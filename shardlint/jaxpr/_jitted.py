@@ -15,7 +15,7 @@ import jax
 
 from .. import _jax
 from .._wrapped import unwrap
-from ._inner import bind_with
+from ._replay import bind_with
 
 
 def jit_equation(step: Callable, args: tuple):

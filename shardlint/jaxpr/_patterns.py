@@ -12,6 +12,7 @@ Reading a user frame goes through JAX's private `source_info_util`, behind
 from __future__ import annotations
 
 from .. import _jax
+from ._levels import equations
 from .._ops import JAXPR_LAYOUT, SAME_DIMS
 
 
@@ -98,5 +99,5 @@ def _leading_dim_after(layout_eqns) -> int | None:
 
 
 def grouped_matmul_sources(closed_jaxpr) -> frozenset[tuple[str, int]]:
-    found = (_jax.user_frame(eqn) for eqn in _jax.equations(closed_jaxpr.jaxpr) if is_grouped_matmul_eqn(eqn))
+    found = (_jax.user_frame(eqn) for eqn in equations(closed_jaxpr.jaxpr) if is_grouped_matmul_eqn(eqn))
     return frozenset(frame for frame in found if frame is not None)

@@ -5,17 +5,18 @@ user's code traced them; inside a region they are bound at one shard's shapes
 (`shard.ShardBinder`), where sharding parameters (`SHARDING_PARAMS`) and annotations
 (`ANNOTATIONS`) of the global program do not apply.
 
-JAX's private `core`/`source_info_util` calls it needs live in `shardlint._jax`.
+An equation that carries a jaxpr is bound again with that jaxpr rewritten (`bind_with`).
+JAX's private `source_info_util` calls it needs live in `shardlint._jax`.
 """
 
 from __future__ import annotations
 
 from .. import _jax
+from ._levels import _CALLS, _INLINED, is_literal
 
 # Parameters that name a sharding of the global mesh, and ops that only annotate one.
 SHARDING_PARAMS = ("sharding", "out_sharding")
 ANNOTATIONS = ("reshard", "sharding_constraint", "mesh_cast")
-_INNER_JAXPR_PARAMS = ("jaxpr", "call_jaxpr", "fun_jaxpr")
 
 
 def bind_eqn(eqn, invals: list) -> list:
@@ -34,17 +35,23 @@ def replay(closed_or_open, invals: list) -> list:
     return [read(env, v) for v in jaxpr.outvars]
 
 
-def inner_jaxpr(eqn):
-    """An equation's inner jaxpr that takes its operands one for one (a jit, remat,
-    custom-derivative call or shard_map body), else None."""
-    for key in _INNER_JAXPR_PARAMS:
-        inner = eqn.params.get(key)
-        if inner is not None and hasattr(getattr(inner, "jaxpr", inner), "eqns"):
-            jaxpr = getattr(inner, "jaxpr", inner)
-            if len(jaxpr.invars) == len(eqn.invars):
-                return inner
-    return None
-
-
 def read(env: dict, atom):
-    return atom.val if _jax.is_literal(atom) else env[atom]
+    return atom.val if is_literal(atom) else env[atom]
+
+
+def bind_with(eqn, new_inner, invals: list) -> list:
+    """Binds `eqn` again on `invals` with its inner jaxpr replaced by `new_inner` (a
+    ClosedJaxpr with the same inputs and outputs, stacked values excepted)."""
+    name = eqn.primitive.name
+    with _jax.as_traced(eqn):
+        if name in _INLINED:
+            return replay(new_inner, invals)
+        params = dict(eqn.params)
+        if name in ("remat2", "checkpoint"):
+            jaxpr, consts = _jax.open_jaxpr(new_inner)
+            params["jaxpr"] = jaxpr
+            invals = consts + list(invals)
+        else:
+            params[_CALLS[name]] = new_inner
+        out = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(params))
+    return list(out) if eqn.primitive.multiple_results else [out]

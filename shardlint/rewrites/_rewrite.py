@@ -11,7 +11,6 @@ itself against the original on random inputs.
 
 from __future__ import annotations
 
-import contextlib
 import traceback as tb
 import warnings
 from typing import Callable
@@ -23,8 +22,7 @@ from .._token_axes import TokenAxes
 from .._wrapped import is_nnx_jit
 from .._source import display_path, is_library_file
 from .trace import lost_in
-from .routes import NnxRewrittenStep
-from .routes import RewrittenStep, warn_unchanged
+from .routes import NnxRewrittenStep, RewrittenStep, warn_unchanged
 from ._step import JittedStep
 from ._verify import verify_same
 
@@ -80,13 +78,12 @@ def rewrite(step: Callable, mesh, *, verify: bool | None = None, args: tuple | N
             _build_or_refuse(result, args)   # says what it rewrote, or that nothing was
         if result.changed is False:
             warn_unchanged(result.notes[-1], stacklevel=3)
-    context = getattr(getattr(result, "inner", result), "traced_in", contextlib.nullcontext)
     if verify and result.changed:
         if args is None:
             raise RewriteError("verify=True needs args= to build inputs of the real shapes")
-        verify_same(step, result, args, progress=progress, context=context)
+        verify_same(step, result, args, progress=progress, context=result.traced_in)
     elif verify is None and result.changed and _checkable(result, args, per_shard, progress):
-        verify_same(step, result, args, progress=progress, context=context)
+        verify_same(step, result, args, progress=progress, context=result.traced_in)
     return result
 
 

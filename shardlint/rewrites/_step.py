@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
-from typing import Any, Callable
+from typing import Any, Callable, ContextManager
 
 import jax
 
@@ -24,6 +24,9 @@ class JittedStep(abc.ABC):
     changed: bool | None = None
     notes: list[str]
     step: Callable
+    # The context the step's Python is traced in, as `jax.jit` traces it (a mesh it needs):
+    # the original step runs in it beside the rewritten one when they are compared.
+    traced_in: Callable[[], ContextManager] = contextlib.nullcontext
 
     @abc.abstractmethod
     def _build(self, args: tuple) -> Any:

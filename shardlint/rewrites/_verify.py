@@ -46,7 +46,7 @@ from .._errors import RewriteError
 from .._ops import JAXPR_LAYOUT
 from .._wrapped import as_jitted
 from .shard import elementwise
-from ..jaxpr import sub_of
+from ..jaxpr import equations, is_literal, sub_of
 
 FLOAT32_RTOL = FLOAT32_ATOL = 1e-5
 
@@ -107,20 +107,7 @@ def least_precise(closed_jaxpr) -> np.dtype | None:
 
 
 def _written_dtypes(jaxpr) -> set:
-    written, todo = set(), [jaxpr]
-    while todo:
-        for eqn in todo.pop().eqns:
-            written.update(v.aval.dtype for v in eqn.outvars if hasattr(v.aval, "dtype"))
-            todo.extend(_inner_jaxprs(eqn.params.values()))
-    return written
-
-
-def _inner_jaxprs(values):
-    for value in values:
-        for item in value if isinstance(value, (list, tuple)) else (value,):
-            inner = getattr(item, "jaxpr", item)
-            if hasattr(inner, "eqns"):
-                yield inner
+    return {v.aval.dtype for eqn in equations(jaxpr) for v in eqn.outvars if hasattr(v.aval, "dtype")}
 
 
 def verify_same(original: Callable, rewritten: Callable, args, *, rtol: float | None = None,
@@ -201,7 +188,7 @@ def _rooted(jaxpr, origin: dict, found: set[int]) -> list:
     """Adds to `found` the leaves (as `origin` maps `jaxpr`'s values to them) that reach a
     root; returns the leaves each of its outputs carries on."""
     def of(atom) -> set:
-        return set() if _jax.is_literal(atom) else origin.get(atom, set())
+        return set() if is_literal(atom) else origin.get(atom, set())
 
     for eqn in jaxpr.eqns:
         sources = set().union(*(of(a) for a in eqn.invars))

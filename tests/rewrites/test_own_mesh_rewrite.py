@@ -12,7 +12,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import shardlint
-from shardlint.jaxpr._inner import sub_of
+from shardlint.jaxpr import sub_of
 from shardlint.rewrites._verify import random_like
 from support import own_mesh_steps as own
 

@@ -13,7 +13,7 @@ import pytest
 
 import shardlint
 from shardlint.rewrites import verify_same
-from shardlint.jaxpr._inner import sub_of
+from shardlint.jaxpr import sub_of
 
 from support import build_mesh, cause_steps, context_mesh, rewrite_steps
 from support.cause_steps import LAYERS

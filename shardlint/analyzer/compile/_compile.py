@@ -36,13 +36,11 @@ from jax.sharding import NamedSharding
 
 from ... import _interrupt, _jax
 from ..._errors import AnalysisError
-from ..parse import MeshInfo
+from ..parse import Asked, asked_for, memory_of_buffer_assignment, MeshInfo
 from ._dump import PROPAGATION_PASSES, DumpedModule, read_dump
 from ...jaxpr import grouped_matmul_sources
 from ._lower import lower_as_jit
-from ..parse import memory_of_buffer_assignment
 from .._model import Memory, NoFit
-from ..parse import Asked, asked_for
 from ._topology import check_libtpu, topology_of
 from ._xla_log import Remat, captured_stderr, involuntary_rematerializations
 

@@ -7,6 +7,6 @@ from ._causes import with_gathered_tokens as with_gathered_tokens
 from ._collectives import collectives_of as collectives_of
 from ._contracted import find_contracted_tokens as find_contracted_tokens
 from ._detect import find_lost_sharding as find_lost_sharding
+from ._scopes import scope_tree as scope_tree
 from ._scopes import ScopeNode as ScopeNode
 from ._scopes import Traffic as Traffic
-from ._scopes import scope_tree as scope_tree

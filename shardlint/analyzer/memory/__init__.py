@@ -6,5 +6,5 @@ from ._frames import helper_frames as helper_frames
 from ._peak import peak_buffers as peak_buffers
 from ._peak import peak_lines as peak_lines
 from ._peak import unsourced as unsourced
-from ._scaling import MemoryScaling as MemoryScaling
 from ._scaling import memory_scaling as memory_scaling
+from ._scaling import MemoryScaling as MemoryScaling

@@ -22,10 +22,8 @@ from __future__ import annotations
 import bisect
 import dataclasses
 
-from ..parse import Allocation, Slot
+from ..parse import Allocation, HloModule, Instruction, LiveRanges, Slot
 from ..._vocab import COLLECTIVE_KINDS, BufferRole, CollectiveKind
-from ..parse import HloModule, Instruction
-from ..parse import LiveRanges
 from ..._op_paths import is_backward, primitive_of
 from .._model import Collective, PeakBuffer
 from ..._source import Source, shown_frames, user_sources

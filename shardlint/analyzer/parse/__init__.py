@@ -3,17 +3,17 @@ tables, the user's asks in StableHLO, device notation, the buffer assignment and
 ranges, and the mesh a dumped module ran on."""
 
 from ._buffers import Allocation as Allocation
-from ._buffers import Slot as Slot
 from ._buffers import memory_of_buffer_assignment as memory_of_buffer_assignment
 from ._buffers import parse_buffer_assignment as parse_buffer_assignment
-from ._devices import MeshInfo as MeshInfo
-from ._devices import Sharding as Sharding
+from ._buffers import Slot as Slot
 from ._devices import axes_of_groups as axes_of_groups
 from ._devices import axes_of_pairs as axes_of_pairs
+from ._devices import MeshInfo as MeshInfo
 from ._devices import parse_replica_groups as parse_replica_groups
 from ._devices import parse_sharding as parse_sharding
 from ._devices import parse_tuple_sharding as parse_tuple_sharding
 from ._devices import replica_group_axes as replica_group_axes
+from ._devices import Sharding as Sharding
 from ._given import mesh_of_module as mesh_of_module
 from ._hlo import ArrayType as ArrayType
 from ._hlo import Computation as Computation

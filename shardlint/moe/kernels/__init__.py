@@ -7,7 +7,7 @@ from ._gmm import tiled_experts as tiled_experts
 from ._gmm import tiled_swiglu as tiled_swiglu
 from ._permute import padded_layout as padded_layout
 from ._permute import permute_rows as permute_rows
-from ._plan import Plan as Plan
 from ._plan import grouped_kernel as grouped_kernel
+from ._plan import Plan as Plan
 from ._plan import plan as plan
 from ._plan import scope as scope

@@ -21,8 +21,7 @@ from jax.sharding import PartitionSpec as P
 
 from ... import _jax
 from ..plan import Group, Level, Plan
-from ...jaxpr import bind_eqn, read
-from ...jaxpr import bind_with
+from ...jaxpr import bind_eqn, bind_with, is_literal, read
 
 
 def emit(plan: Plan, mesh):
@@ -113,7 +112,7 @@ class _Emitter:
                     local[v] = level.built[v](memo)
             for i in grp.eqns:
                 eqn = eqns[i]
-                invals = [plan.binder.operand(eqn, k, a, None if _jax.is_literal(a) else local[a])
+                invals = [plan.binder.operand(eqn, k, a, None if is_literal(a) else local[a])
                           for k, a in enumerate(eqn.invars)]
                 local.update(zip(eqn.outvars, plan.binder.bind(eqn, invals)))
             return (tuple(local[v] for v in sharded_out)

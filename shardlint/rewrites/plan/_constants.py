@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ... import _jax
+from ...jaxpr import is_literal, variables
 from ..shard import ShardBinder
 
 
@@ -50,7 +50,7 @@ class Builders:
             elif v in self.producer:
                 eqn = self.eqns[self.producer[v]]
                 found = eqn.primitive.name == "iota" or any(
-                    self.holds_positions(u) for u in _vars(eqn.invars))
+                    self.holds_positions(u) for u in variables(eqn.invars))
             else:
                 found = False
             self._positions[v] = found
@@ -62,7 +62,7 @@ class Builders:
         self._memo[v] = False
         p = self.producer.get(v)
         ok = v not in self.unsure and (v in self.built_in or v in self.consts or (
-            p is not None and all(self.can_build(u) for u in _vars(self.eqns[p].invars))))
+            p is not None and all(self.can_build(u) for u in variables(self.eqns[p].invars))))
         self._memo[v] = ok
         return ok
 
@@ -75,7 +75,7 @@ class Builders:
             return lambda memo: value
         p = self.producer[v]
         eqn = self.eqns[p]
-        inputs = [None if _jax.is_literal(a) else self.builder(a) for a in eqn.invars]
+        inputs = [None if is_literal(a) else self.builder(a) for a in eqn.invars]
         position = eqn.outvars.index(v)
         key = (id(self), p)
 
@@ -88,6 +88,3 @@ class Builders:
 
         return build
 
-
-def _vars(atoms):
-    return [a for a in atoms if not _jax.is_literal(a)]

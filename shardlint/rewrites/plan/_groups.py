@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from ... import _jax
+from ...jaxpr import variables
 from . import _refusals
 
 
@@ -33,7 +33,7 @@ def convex_groups(eqns, region: set[int]) -> list[Group]:
     group_of_var: dict = {}
     current: Group | None = None
     for i, e in enumerate(eqns):
-        ins = _vars(e.invars)
+        ins = variables(e.invars)
         through = set().union(*(taint.get(v, set()) for v in ins)) if ins else set()
         if i in region:
             if current is None or id(current) in through:
@@ -53,12 +53,12 @@ def convex_groups(eqns, region: set[int]) -> list[Group]:
 
 
 def boundaries(level, eqns, producer, consumers, outvars: dict, crossable, *,
-               sharded: set, scrambled: set, labels: set, per_shard: set,
+               sharded: set, shard_ordered: set, labels: set, per_shard: set,
                per_shard_capacity: bool = False, counts: frozenset | set = frozenset()) -> None:
     """Fills each group's inputs and outputs, and the level's per-shard results.
 
     `sharded` values carry tokens along a dimension sharded like the input's; those in
-    `scrambled` hold them in per-shard order, and those in `labels` hold only positions
+    `shard_ordered` hold them in per-shard order, and those in `labels` hold only positions
     within a shard (in block form), and those in `counts` running totals over a shard's
     tokens (capacity positions). `per_shard` values have no global form (a dimension sized
     by a per-shard capacity).
@@ -70,7 +70,7 @@ def boundaries(level, eqns, producer, consumers, outvars: dict, crossable, *,
         produced = {v for i in grp.eqns for v in eqns[i].outvars}
         seen_in: set = set()
         for i in grp.eqns:
-            for v in _vars(eqns[i].invars):
+            for v in variables(eqns[i].invars):
                 if v not in produced and v not in seen_in:
                     seen_in.add(v)
                     grp.inputs.append(v)
@@ -90,13 +90,13 @@ def boundaries(level, eqns, producer, consumers, outvars: dict, crossable, *,
                         (_refusals.refuse_capacity_exit if per_shard_capacity
                          else _refusals.refuse_global_capacity)(eqns[i], v)
                 elif v in sharded:
-                    if v not in scrambled:
+                    if v not in shard_ordered:
                         continue  # in (batch, seq, ...) order: it leaves sharded
                     if stays:
                         (_refusals.refuse_position_exit if v in counts
-                         else _refusals.refuse_scrambled_exit)(eqns[i], v)
+                         else _refusals.refuse_shard_ordered_exit)(eqns[i], v)
                     if leaves:
-                        level.scrambled_out[at] = v in labels
+                        level.shard_ordered_out[at] = v in labels
                     continue
                 elif stays:
                     _refusals.require_linear(v, eqns, producer, mine, tokens)
@@ -106,6 +106,3 @@ def boundaries(level, eqns, producer, consumers, outvars: dict, crossable, *,
                 if leaves:
                     level.stacked_out.add(at)
 
-
-def _vars(atoms):
-    return [a for a in atoms if not _jax.is_literal(a)]

@@ -32,10 +32,9 @@ from ..._errors import RewriteError
 from ..._ops import CUMULATIVE_PRIMITIVES, ROUTING_PRIMITIVES
 from ..._token_axes import TokenAxes
 from ..._source import display_path
-from ...jaxpr import is_expert_batched_eqn, is_grouped_matmul_eqn, reads_expert_weights
+from ...jaxpr import (connected_parts, downstream, is_expert_batched_eqn, is_grouped_matmul_eqn,
+    is_literal, reaches, reads_expert_weights, sub_of, variables)
 from . import _refusals
-from ...jaxpr import connected_parts, downstream, reaches, variables
-from ...jaxpr import sub_of
 from ._token_ops import count, is_address, merges_seq, pull_in_constants, splits_tokens, sums_tokens
 
 
@@ -46,16 +45,42 @@ _ARRANGING = CUMULATIVE_PRIMITIVES | {"dynamic_slice", "dynamic_update_slice", "
 
 
 @dataclasses.dataclass
+class Growth:
+    """One level's routed region as it grows, and what it grows through."""
+
+    eqns: list
+    producer: dict                # Var -> index of the equation that makes it
+    consumers: dict               # Var -> indices of the equations that read it
+    stacked_in: frozenset         # values that arrive per shard, stacked on a leading axis
+    merges: set                   # flattens of (batch, seq) into tokens: they reorder them
+    exits: set                    # reshapes of tokens back to (batch, seq, ...)
+    statistics: set               # sums over all tokens, which leave the region summed
+    region: set                   # the region's equations (indices)
+    shard_ordered: set = dataclasses.field(default_factory=set)   # tokens in per-shard order
+    positional: set = dataclasses.field(default_factory=set)      # of those, labels only
+    # With per-shard capacity: running totals over a shard's tokens (filled in as the
+    # region grows; a capacity's value is one shard's, see the module docstring).
+    counts: set = dataclasses.field(default_factory=set)
+    constant: set = dataclasses.field(default_factory=set)        # pulled in, built per shard
+
+    @property
+    def kept_inside(self) -> set:
+        """The values that may not leave the region: tokens in per-shard order, and running
+        totals (outside they would be compared with the capacity of all tokens)."""
+        return self.shard_ordered | self.counts
+
+
+@dataclasses.dataclass
 class Grower:
     """What the traces say about tokens, the same for every level of the step."""
 
     axes: TokenAxes
     specs: dict                   # Var -> PartitionSpec of values that carry tokens
-    doubly: set                   # values with a second dimension sized by the token count
+    two_token_dims: set                   # values with a second dimension sized by the token count
     seed_lines: frozenset         # (file, line) where the analysis found sharding lost
     per_shard_capacity: bool
     # With per-shard capacity: values with a dimension that shrinks per shard but is no
-    # token dimension (a capacity's slots), `doubly` included; else just `doubly`.
+    # token dimension (a capacity's slots), `two_token_dims` included; else just `two_token_dims`.
     capacity: frozenset = frozenset()
     # id(eqn) -> why it does not bind at one shard's shapes (`trace/_shard_shapes.py`)
     unbound: dict = dataclasses.field(default_factory=dict)
@@ -63,85 +88,82 @@ class Grower:
     @functools.cached_property
     def scaled(self) -> set:
         """Every value that carries tokens (computed once: it is asked per operand)."""
-        return set(self.specs) | self.doubly
+        return set(self.specs) | self.two_token_dims
 
-    def region(self, eqns, producer, consumers, scrambled_in: dict, stacked_in,
-               leaves: dict | None = None) -> tuple[set[int], set, set, set]:
+    def region(self, eqns, producer, consumers, shard_ordered_in: dict, stacked_in,
+               leaves: dict | None = None) -> Growth:
         """The region's equations, and the values in it that hold tokens in per-shard order
         (flattened, or built from per-shard constants): those may not leave it. `leaves`:
         token-sized values buildable per shard with no equation here (constants, and those
         an outer jaxpr builds, as a scan's hoisted iotas), and whether each holds positions.
-        `scrambled_in`: the arriving values in per-shard order, each with whether it holds
+        `shard_ordered_in`: the arriving values in per-shard order, each with whether it holds
         local positions only (a scatter's `(batch, seq)` indices the forward saved for the
-        backward). Returns the region, its scrambled values and, of those, the label-only
-        ones and the running totals over a shard's tokens."""
+        backward)."""
         leaves = leaves or {}
         merges = {i for i, e in enumerate(eqns) if merges_seq(e, self.specs, self.axes)}
         routing = {i for i, e in enumerate(eqns) if self._routing_seed(e, eqns, producer)}
-        arriving = set(scrambled_in) | set(stacked_in)
+        arriving = set(shard_ordered_in) | set(stacked_in)
         seeds = merges | routing
         seeds |= {c for v in arriving for c in consumers.get(v, ()) if sub_of(eqns[c]) is None}
         if not seeds:
-            return set(), set(), set(), set()
-        exits = {i for i, e in enumerate(eqns) if splits_tokens(e, self.specs, self.axes)}
-        # Sums over all tokens that leave the region summed (`_statistics`)
-        statistics = {v for i in self._statistics(eqns, consumers) for v in eqns[i].outvars}
-        region: set[int] = set(seeds)
-        scrambled: set = set(scrambled_in)
-        # With per-shard capacity: running totals over a shard's tokens (filled in as the
-        # region grows; a capacity's value is one shard's, see the module docstring).
-        counts: set = set()
-        # Constants rebuilt per shard that are built from an iota hold local positions
-        # (indices into the shard's block, which is what the region's ops address): they
-        # may not leave it, so what reads them joins in turn (scatter's JVP compares such
-        # ids outside the scatter). Uniform ones (zeros, full) are only rebuilt smaller.
-        constant: set[int] = set()
-        # the scrambled values that are labels in block form
-        positional: set = {v for v, labels_only in scrambled_in.items() if labels_only}
+            return Growth(eqns, producer, consumers, frozenset(stacked_in), set(), set(), set(), set())
+        growth = Growth(
+            eqns, producer, consumers, frozenset(stacked_in), merges,
+            exits={i for i, e in enumerate(eqns) if splits_tokens(e, self.specs, self.axes)},
+            statistics={v for i in self._statistics(eqns, consumers) for v in eqns[i].outvars},
+            region=set(seeds), shard_ordered=set(shard_ordered_in),
+            positional={v for v, labels_only in shard_ordered_in.items() if labels_only})
         while True:
-            self._grow(eqns, producer, consumers, region, scrambled, positional, stacked_in,
-                       merges=merges, exits=exits, counts=counts, statistics=statistics)
-            grown = set(region)
-            pulled = pull_in_constants(eqns, region, self.scaled, producer, leaves)
-            if not pulled:
+            self._grow(growth)
+            if not self._pull_in_constants(growth, leaves):
                 break
-            # What was pulled in because it computes on region values follows its inputs;
-            # a leaf that holds positions is a label from here on (it may not leave).
-            for i in sorted(pulled):
-                ins = variables(eqns[i].invars)
-                labels = {v for v in ins if leaves.get(v)}
-                scrambled |= labels
-                positional |= labels
-                if all(producer.get(v) in constant or v in leaves
-                       or (v not in self.scaled and producer.get(v) not in grown) for v in ins):
-                    constant.add(i)
-                    if eqns[i].primitive.name == "iota" or any(v in positional or leaves.get(v)
-                                                                for v in ins):
-                        outs = {v for v in eqns[i].outvars if v in self.scaled}
-                        scrambled |= outs
-                        positional |= outs
-                else:
-                    self._propagate(eqns[i], scrambled, positional, reordered=False)
-        self._refuse_unbound(eqns, region, producer, consumers)
-        region = self._routed_only(eqns, region, producer, consumers, routing | self._dispatches(eqns))
+        self._refuse_unbound(eqns, growth.region, producer, consumers)
+        growth.region = self._routed_only(eqns, growth.region, producer, consumers,
+                                          routing | self._dispatches(eqns))
         for v in arriving:
-            outside = [c for c in consumers.get(v, ()) if c not in region and sub_of(eqns[c]) is None]
+            outside = [c for c in consumers.get(v, ()) if c not in growth.region and sub_of(eqns[c]) is None]
             if outside:
                 raise RewriteError(
                     f"a per-shard value ({v.aval.str_short()}) that a routed layer saved for later "
                     f"is read outside a routed region{_refusals.user_line(eqns[outside[0]])}; "
                     "wrap the layer in jax.checkpoint so its backward recomputes it")
-        # Running totals may not leave the region either: outside they would be compared
-        # with the capacity of all tokens.
-        return region, scrambled | counts, positional, counts
+        return growth
 
-    def _grow(self, eqns, producer, consumers, region, scrambled, positional, stacked_in, *,
-              merges, exits, counts, statistics: set) -> None:
-        """Grows `region`, `scrambled`, `positional` and `counts` in place to a fixpoint: an
-        equation joins when it reads tokens in per-shard order, or reads a per-shard value
-        (group sizes, offsets) and feeds back into the region, or, with per-shard capacity,
-        reads a running total over a shard's tokens or a value with a dimension sized by
-        the shard's capacity that the region made.
+    def _pull_in_constants(self, g: Growth, leaves: dict) -> bool:
+        """Pulls into the region the token-sized values it reads that a shard can build from
+        nothing (`pull_in_constants`), and marks what they hold; True when any joined.
+
+        Constants rebuilt per shard that are built from an iota hold local positions
+        (indices into the shard's block, which is what the region's ops address): they may
+        not leave it, so what reads them joins in turn (scatter's JVP compares such ids
+        outside the scatter). Uniform ones (zeros, full) are only rebuilt smaller."""
+        grown = set(g.region)
+        pulled = pull_in_constants(g.eqns, g.region, self.scaled, g.producer, leaves)
+        # What was pulled in because it computes on region values follows its inputs;
+        # a leaf that holds positions is a label from here on (it may not leave).
+        for i in sorted(pulled):
+            ins = variables(g.eqns[i].invars)
+            labels = {v for v in ins if leaves.get(v)}
+            g.shard_ordered |= labels
+            g.positional |= labels
+            if all(g.producer.get(v) in g.constant or v in leaves
+                   or (v not in self.scaled and g.producer.get(v) not in grown) for v in ins):
+                g.constant.add(i)
+                if g.eqns[i].primitive.name == "iota" or any(v in g.positional or leaves.get(v)
+                                                              for v in ins):
+                    outs = {v for v in g.eqns[i].outvars if v in self.scaled}
+                    g.shard_ordered |= outs
+                    g.positional |= outs
+            else:
+                self._propagate(g.eqns[i], g, reordered=False)
+        return bool(pulled)
+
+    def _grow(self, g: Growth) -> None:
+        """Grows the region and what it marks to a fixpoint: an equation joins when it reads
+        tokens in per-shard order, or reads a per-shard value (group sizes, offsets) and feeds
+        back into the region, or, with per-shard capacity, reads a running total over a
+        shard's tokens or a value with a dimension sized by the shard's capacity that the
+        region made.
 
         `positional` values are in (batch, seq, ...) form but hold per-shard labels (local
         positions, ids scattered and gathered back); comparing two for equality gives the
@@ -153,24 +175,23 @@ class Grower:
         changed = True
         while changed:
             changed = False
-            into_region = reaches(eqns, consumers, region)
-            for i, e in enumerate(eqns):
+            into_region = reaches(g.eqns, g.consumers, g.region)
+            for i, e in enumerate(g.eqns):
                 ins = variables(e.invars)
-                if i not in region:
-                    per_shard = any(v not in self.scaled and v not in statistics
-                                    and (producer.get(v) in region or v in stacked_in) for v in ins)
-                    slots = any(v in self.capacity and (producer.get(v) in region or v in stacked_in)
-                                for v in ins) and self.per_shard_capacity
-                    if not (any(v in scrambled or v in counts for v in ins) or slots
+                if i not in g.region:
+                    made_here = [v for v in ins if g.producer.get(v) in g.region or v in g.stacked_in]
+                    per_shard = any(v not in self.scaled and v not in g.statistics for v in made_here)
+                    slots = self.per_shard_capacity and any(v in self.capacity for v in made_here)
+                    if not (any(v in g.shard_ordered or v in g.counts for v in ins) or slots
                             or (per_shard and i in into_region)):
                         continue
-                    region.add(i)
+                    g.region.add(i)
                     changed = True
-                if self.per_shard_capacity and count(e, counts, self.scaled, self.specs):
+                if self.per_shard_capacity and count(e, g.counts, self.scaled, self.specs):
                     changed = True
-                if i in exits:
+                if i in g.exits:
                     continue
-                if self._propagate(e, scrambled, positional, reordered=i in merges):
+                if self._propagate(e, g, reordered=i in g.merges):
                     changed = True
 
     def _statistics(self, eqns, consumers) -> set[int]:
@@ -182,7 +203,7 @@ class Grower:
         is computed from it (a maximum, a ratio of two) runs on the global value, as written."""
         found = set()
         for i, e in enumerate(eqns):
-            if (e.primitive.name == "reduce_sum" and not _jax.is_literal(e.invars[0]) and e.invars[0] in self.scaled
+            if (e.primitive.name == "reduce_sum" and not is_literal(e.invars[0]) and e.invars[0] in self.scaled
                     and not any(v in self.scaled for v in e.outvars)
                     and not self._arranges(eqns, consumers, i)):
                 found.add(i)
@@ -204,25 +225,25 @@ class Grower:
                         stack.append(c)
         return False
 
-    def _propagate(self, eqn, scrambled, positional, *, reordered: bool) -> bool:
-        """Marks `eqn`'s token-carrying results scrambled (and positional when they hold
-        labels only); True when something new was marked. `reordered`: the equation
-        itself puts tokens in per-shard order (a flatten, a running total).
+    def _propagate(self, eqn, g: Growth, *, reordered: bool) -> bool:
+        """Marks `eqn`'s token-carrying results as in per-shard order (and positional when
+        they hold labels only); True when something new was marked. `reordered`: the
+        equation itself puts tokens in per-shard order (a flatten, a running total).
 
         A gather's or scatter's indices are addresses: local positions there place values
         in the shard's own block and leave no label in the result; indices in per-shard
         order do reorder it."""
-        carried = [v for v in variables(eqn.invars) if v in scrambled
-                   and not (v in positional and is_address(eqn, v))]
+        carried = [v for v in variables(eqn.invars) if v in g.shard_ordered
+                   and not (v in g.positional and is_address(eqn, v))]
         if not (reordered or carried):
             return False
-        labels_only = not reordered and all(v in positional for v in carried)
+        labels_only = not reordered and all(v in g.positional for v in carried)
         if labels_only and eqn.primitive.name in _RELABELING_INVARIANT:
             return False
-        new = {v for v in eqn.outvars if v in self.scaled} - scrambled
-        scrambled |= new
+        new = {v for v in eqn.outvars if v in self.scaled} - g.shard_ordered
+        g.shard_ordered |= new
         if labels_only:
-            positional |= new
+            g.positional |= new
         return bool(new)
 
     def _routing_seed(self, eqn, eqns, producer) -> bool:

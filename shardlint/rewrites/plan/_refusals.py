@@ -13,7 +13,7 @@ from ..._errors import RewriteError
 from ..._ops import CUMULATIVE_PRIMITIVES
 from ..._token_axes import as_axes
 from ..._source import display_path
-from ...jaxpr import sub_of
+from ...jaxpr import is_literal, sub_of, variables
 
 # Producers whose non-token result is a sum over tokens: psum across shards restores it.
 _TOKEN_REDUCTIONS = {"reduce_sum", "dot_general", "ragged_dot_general", "scatter-add", "scatter_add"}
@@ -50,13 +50,11 @@ def couples_tokens(eqn, specs) -> bool:
 
 
 def _coupling_eqn(eqn, specs):
-    from ...jaxpr import sub_of
-
     name = eqn.primitive.name
     sub = sub_of(eqn) if name in ("jit", "pjit") else None
     if sub is not None:
         return next((c for c in map(lambda e: _coupling_eqn(e, specs), sub.jaxpr.eqns) if c is not None), None)
-    operands = [a for a in eqn.invars[:1] if not _jax.is_literal(a)]
+    operands = variables(eqn.invars[:1])
     spec = specs.get(operands[0]) if operands else None
     if spec is None:
         return None
@@ -81,7 +79,7 @@ def refuse_unsure(eqns, region, stand_ins, guessed, specs, axes, unbound) -> Non
         if id(eqn) in unbound:
             refuse_unbound(eqn, unbound[id(eqn)])
         made = next((v for v in eqn.outvars if v in guessed), None)
-        read = next((a for a in eqn.invars if not _jax.is_literal(a) and (
+        read = next((a for a in eqn.invars if not is_literal(a) and (
             a in guessed or (a in stand_ins and _flattened(specs.get(a), axes)))), None)
         var, verb = (made, "makes") if made is not None else (read, "reads")
         if var is not None:
@@ -133,7 +131,7 @@ def refuse_position_exit(eqn, var) -> None:
         "only its output, or compute capacity per group of tokens in the model itself")
 
 
-def refuse_scrambled_exit(eqn, var) -> None:
+def refuse_shard_ordered_exit(eqn, var) -> None:
     raise RewriteError(
         f"a per-shard value ({var.aval.str_short()}{user_line(eqn)}: tokens in per-shard order, "
         "or positions within a shard) leaves the routed region; outside it, it would mean "
@@ -165,7 +163,7 @@ def _is_linear(var, eqns, producer, mine, scaled, depth, arriving=frozenset()) -
         return False
     eqn = eqns[p]
     name = eqn.primitive.name
-    ins = [a for a in eqn.invars if not _jax.is_literal(a)]
+    ins = variables(eqn.invars)
     region_ins = [v for v in ins if producer.get(v) in mine or v in arriving]
     if name in _TOKEN_REDUCTIONS and any(v in scaled for v in region_ins):
         return True
@@ -180,10 +178,10 @@ def _is_linear(var, eqns, producer, mine, scaled, depth, arriving=frozenset()) -
     if sub is not None:
         body = sub.jaxpr
         inner = body.outvars[eqn.outvars.index(var)]
-        if _jax.is_literal(inner):
+        if is_literal(inner):
             return False
         inner_producer = {v: i for i, e in enumerate(body.eqns) for v in e.outvars}
-        inner_arriving = {b for a, b in zip(eqn.invars, body.invars) if not _jax.is_literal(a) and a in region_ins}
+        inner_arriving = {b for a, b in zip(eqn.invars, body.invars) if not is_literal(a) and a in region_ins}
         return _is_linear(inner, body.eqns, inner_producer, set(range(len(body.eqns))), scaled, depth + 1,
                           frozenset(inner_arriving))
     return False

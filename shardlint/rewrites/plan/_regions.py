@@ -26,16 +26,14 @@ import math
 
 from jax.sharding import PartitionSpec as P
 
-from ... import _jax
 from ..._errors import RewriteError
 from ..._token_axes import TokenAxes, as_axes
 from . import _refusals
 from ._constants import Builders
 from ._groups import Group, boundaries, convex_groups
-from ...jaxpr import consumers_of, variables
+from ...jaxpr import carries, consumers_of, is_literal, sub_of, variables
 from ._grow import Grower
 from ..shard import ShardBinder
-from ...jaxpr import carries, sub_of
 from ..trace import Traces
 
 
@@ -51,7 +49,7 @@ class Level:
     built: dict                   # Var -> builder: token-sized constants rebuilt per shard
     stacked_out: set = dataclasses.field(default_factory=set)    # outvar positions
     # outvar position -> whether the value holds only labels (positions within a shard)
-    scrambled_out: dict = dataclasses.field(default_factory=dict)
+    shard_ordered_out: dict = dataclasses.field(default_factory=dict)
 
     @property
     def changed(self) -> bool:
@@ -79,70 +77,71 @@ def plan_regions(traces: Traces, axes: TokenAxes, *, seed_lines: frozenset = fro
     g = traces.global_jaxpr
     by_seq = traces.by_seq.shapes
     specs: dict = {}
-    doubly: set = set()   # two dims grow with the token count (e.g. a capacity)
+    two_token_dims: set = set()   # two dims grow with the token count (e.g. a capacity)
     for var, shape in traces.local.shapes.items():
         spec = _spec(var.aval.shape, shape, by_seq.get(var, var.aval.shape), axes)
         if spec is None:
             continue
         names = [a for entry in spec for a in as_axes(entry)]
         if len(names) != len(set(names)):
-            doubly.add(var)
+            two_token_dims.add(var)
             continue
         specs[var] = spec
-    capacity = frozenset(doubly)
+    capacity = frozenset(two_token_dims)
     if per_shard_capacity:
         sizes = _token_sizes(g.jaxpr.invars, specs)
         capacity |= {v for v, spec in specs.items() if not _token_shaped(v, spec, sizes)}
-    planner = _Planner(axes, specs, doubly, capacity, seed_lines, per_shard_capacity, traces)
+    planner = _Planner(axes, specs, two_token_dims, capacity, seed_lines, per_shard_capacity, traces)
     top = planner.level(g.jaxpr, tuple(g.consts))
     return Plan(top, axes, specs, traces, planner.binder)
 
 
 class _Planner:
-    def __init__(self, axes, specs, doubly, capacity, seed_lines, per_shard_capacity, traces):
-        self.grower = Grower(axes, specs, doubly, seed_lines, per_shard_capacity, capacity, traces.unbound)
+    def __init__(self, axes, specs, two_token_dims, capacity, seed_lines, per_shard_capacity, traces):
+        self.grower = Grower(axes, specs, two_token_dims, seed_lines, per_shard_capacity, capacity, traces.unbound)
         self.stand_ins, self.guessed = traces.stand_ins, traces.guessed
         self.binder = ShardBinder(traces.local.sizes, traces.local.literals, traces.local.folds)
 
-    def level(self, jaxpr, consts, *, scrambled_in=None,
+    def level(self, jaxpr, consts, *, shard_ordered_in=None,
               stacked_in=frozenset(), built_in=None, positional_in=frozenset(),
               crossable=frozenset()) -> Level:
-        """`scrambled_in`: the inputs that hold tokens in per-shard order, each with whether
+        """`shard_ordered_in`: the inputs that hold tokens in per-shard order, each with whether
         it holds only labels (positions within a shard, as a scatter's `(batch, seq)`
         indices: addresses where a gather or scatter reads them)."""
-        scrambled_in = scrambled_in or {}
+        shard_ordered_in = shard_ordered_in or {}
         eqns = jaxpr.eqns
         producer = {v: i for i, e in enumerate(eqns) for v in e.outvars}
         consumers = consumers_of(eqns)
         g = self.grower
         builders = Builders(jaxpr, consts, producer, g.scaled, built_in or {}, self.binder,
                             positional_in, self.stand_ins | self.guessed)
-        region, scrambled, labels, counts = self.grower.region(
-            eqns, producer, consumers, scrambled_in, stacked_in, leaves=builders.leaves())
+        growth = self.grower.region(eqns, producer, consumers, shard_ordered_in, stacked_in,
+                                    leaves=builders.leaves())
+        region = growth.region
         if region and not g.per_shard_capacity:
             for i in sorted(region):   # the capacity itself first, then what couples tokens
                 for v in eqns[i].outvars:
-                    if v in g.doubly:
+                    if v in g.two_token_dims:
                         _refusals.refuse_global_capacity(eqns[i], v)
         if region and not g.per_shard_capacity:
             _refusals.refuse_token_coupling(eqns, region, g.specs)
         _refusals.refuse_unsure(eqns, region, self.stand_ins, self.guessed, g.specs, g.axes, g.unbound)
         groups = convex_groups(eqns, region)
         level = Level(jaxpr, consts, groups, {}, set(stacked_in), {})
-        outvars = {v: k for k, v in enumerate(jaxpr.outvars) if not _jax.is_literal(v)}
+        outvars = {v: k for k, v in enumerate(jaxpr.outvars) if not is_literal(v)}
         boundaries(level, eqns, producer, consumers, outvars, crossable,
-                   sharded=set(g.specs), scrambled=scrambled, labels=labels, per_shard=g.capacity,
-                   per_shard_capacity=g.per_shard_capacity, counts=counts)
+                   sharded=set(g.specs), shard_ordered=growth.kept_inside, labels=growth.positional,
+                   per_shard=g.capacity, per_shard_capacity=g.per_shard_capacity, counts=growth.counts)
         for grp in groups:
             for v in grp.inputs:
-                if v in g.scaled and v not in scrambled_in and builders.can_build(v):
+                if v in g.scaled and v not in shard_ordered_in and builders.can_build(v):
                     level.built[v] = builders.builder(v)
-        self._enter_bodies(level, eqns, region, consumers, builders, scrambled_in, stacked_in)
+        self._enter_bodies(level, eqns, region, consumers, builders, shard_ordered_in, stacked_in)
         return level
 
-    def _enter_bodies(self, level, eqns, region, consumers, builders, scrambled_in, stacked_in):
+    def _enter_bodies(self, level, eqns, region, consumers, builders, shard_ordered_in, stacked_in):
         # vars at this level holding tokens in per-shard order -> whether labels only
-        scrambled = dict(scrambled_in)
+        shard_ordered = dict(shard_ordered_in)
         stacked = {v: False for v in stacked_in}   # var -> whether it came stacked from scan ys
         top_outvars = set(variables(level.jaxpr.outvars))
         for i, eqn in enumerate(eqns):
@@ -150,15 +149,15 @@ class _Planner:
             if sub is None or i in region or eqn.primitive.name == "shard_map":
                 continue
             first_carry, end_carry = carries(eqn)
-            sub_scrambled, sub_stacked, sub_built, sub_positional = {}, set(), {}, set()
+            sub_shard_ordered, sub_stacked, sub_built, sub_positional = {}, set(), {}, set()
             for k, (a, inner) in enumerate(zip(eqn.invars, sub.jaxpr.invars)):
-                if _jax.is_literal(a):
+                if is_literal(a):
                     continue
                 sliced = sub.stacks and k >= sub.sliced_from
-                if first_carry <= k < end_carry and (a in scrambled or a in stacked):
+                if first_carry <= k < end_carry and (a in shard_ordered or a in stacked):
                     self._refuse_carry(eqn, a)
-                if a in scrambled:
-                    sub_scrambled[inner] = scrambled[a]
+                if a in shard_ordered:
+                    sub_shard_ordered[inner] = shard_ordered[a]
                 elif a in stacked:
                     if stacked[a] != sliced:
                         raise RewriteError(f"a per-shard value ({a.aval.str_short()}) saved by a "
@@ -174,18 +173,18 @@ class _Planner:
             crossable = {k for k, v in enumerate(eqn.outvars)
                          if k >= end_carry - first_carry and consumers.get(v) and v not in top_outvars
                          and all(sub_of(eqns[c]) is not None for c in consumers[v])}
-            inner = self.level(sub.jaxpr, sub.consts, scrambled_in=sub_scrambled, stacked_in=frozenset(sub_stacked),
+            inner = self.level(sub.jaxpr, sub.consts, shard_ordered_in=sub_shard_ordered, stacked_in=frozenset(sub_stacked),
                                built_in=sub_built, positional_in=frozenset(sub_positional),
                                crossable=frozenset(crossable))
             if not inner.changed:
-                if sub_scrambled or sub_stacked:
+                if sub_shard_ordered or sub_stacked:
                     raise RewriteError(f"a per-shard value saved by a routed layer reaches "
                                        f"{eqn.primitive.name}{_refusals.user_line(eqn)}, which computes "
                                        "no routed region with it; wrap the layer in jax.checkpoint")
                 continue
             level.subs[i] = inner
-            for k, labels_only in inner.scrambled_out.items():
-                scrambled[eqn.outvars[k]] = labels_only
+            for k, labels_only in inner.shard_ordered_out.items():
+                shard_ordered[eqn.outvars[k]] = labels_only
             for k in inner.stacked_out:
                 stacked[eqn.outvars[k]] = sub.stacks
 

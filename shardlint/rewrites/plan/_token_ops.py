@@ -9,13 +9,11 @@ The region's growth (`_grow.Grower`) asks these per equation.
 
 from __future__ import annotations
 
-from ... import _jax
 from ..._token_axes import TokenAxes, as_axes
 from ..._reshape import reshape_groups
 from . import _refusals
-from ...jaxpr import variables
+from ...jaxpr import is_literal, sub_of, variables
 from ..shard import folds_several
-from ...jaxpr import sub_of
 
 
 # Comparisons turn a running total into a decision (kept or dropped): an ordinary value.
@@ -27,7 +25,7 @@ def count(eqn, counts: set, scaled, specs) -> bool:
     cumulative op over a token dimension, and those computed from one by anything but a
     comparison (a jitted helper, `jax.nn.one_hot` say, is looked into). True when
     something new was marked."""
-    counted_in = [not _jax.is_literal(a) and a in counts for a in eqn.invars]
+    counted_in = [not is_literal(a) and a in counts for a in eqn.invars]
     new = {v for v, is_count in zip(eqn.outvars, _counts_out(eqn, counted_in, specs))
            if is_count and v in scaled} - counts
     counts |= new
@@ -45,9 +43,9 @@ def _counts_out(eqn, counted_in: list[bool], specs) -> list[bool]:
         return [True] * len(eqn.outvars)
     inner: set = {v for v, c in zip(sub.jaxpr.invars, counted_in) if c}
     for e in sub.jaxpr.eqns:
-        inner |= {v for v, c in zip(e.outvars, _counts_out(e, [not _jax.is_literal(a) and a in inner
+        inner |= {v for v, c in zip(e.outvars, _counts_out(e, [not is_literal(a) and a in inner
                                                                 for a in e.invars], specs)) if c}
-    return [not _jax.is_literal(v) and v in inner for v in sub.jaxpr.outvars]
+    return [not is_literal(v) and v in inner for v in sub.jaxpr.outvars]
 
 
 def merges_seq(eqn, specs, axes: TokenAxes) -> bool:
@@ -71,7 +69,7 @@ def sums_tokens(eqn, specs, scaled, axes: TokenAxes) -> bool:
     `BSM,BSEC -> EBCM`, or the combine's transpose in the backward."""
     if eqn.primitive.name != "dot_general":
         return False
-    operands = [v for v in eqn.invars if not _jax.is_literal(v)]
+    operands = variables(eqn.invars)
     if len(operands) != 2 or not all(v in scaled for v in operands):
         return False
     for var, dims in zip(eqn.invars, eqn.params["dimension_numbers"][0]):

@@ -5,5 +5,5 @@
 from ._jaxpr import RewrittenStep as RewrittenStep
 from ._jaxpr import warn_unchanged as warn_unchanged
 from ._nnx import NnxRewrittenStep as NnxRewrittenStep
-from ._swap import SwappedStep as SwappedStep
 from ._swap import swap_moe_layers as swap_moe_layers
+from ._swap import SwappedStep as SwappedStep

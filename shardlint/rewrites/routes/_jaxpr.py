@@ -11,7 +11,6 @@ jitted as the original was (`_jitted`). A step with nothing to rewrite runs as i
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import warnings
 from typing import Callable
@@ -25,10 +24,9 @@ from ..._token_axes import TokenAxes
 from ..._wrapped import as_jitted
 from ..emit import emit
 from ...jaxpr import jitted_like
-from ..trace import Lost, lost_in
+from ..trace import Lost, lost_in, Tokens, trace_step
 from ..plan import plan_regions
 from .._step import JittedStep
-from ..trace import Tokens, trace_step
 
 
 class RewrittenStep(JittedStep):
@@ -50,8 +48,6 @@ class RewrittenStep(JittedStep):
         self.progress = progress or (lambda message: None)
         self.notes: list[str] = []
         self.changed: bool | None = None   # known once built for some arguments
-        # the mesh context the step's Python needs to trace, as jax.jit traces it (`_trace`)
-        self.traced_in: Callable = contextlib.nullcontext
 
     # The step was traced without a mesh in context, and its equations are replayed the
     # same way: an ambient mesh (the analyzer sets one) would type the replayed values

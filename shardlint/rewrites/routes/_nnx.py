@@ -37,6 +37,10 @@ class NnxRewrittenStep(JittedStep):
     def notes(self):
         return self.inner.notes
 
+    @property
+    def traced_in(self):
+        return self.inner.traced_in
+
     def _build(self, args):
         return self.step
 

@@ -17,9 +17,8 @@ import jax
 import numpy as np
 
 from ... import _jax
-from ...jaxpr import ANNOTATIONS, SHARDING_PARAMS, read
+from ...jaxpr import ANNOTATIONS, is_literal, read, SHARDING_PARAMS, sub_of
 from ._shape_rules import broadcast_shape, reshaped, slice_limits, slice_sizes
-from ...jaxpr import sub_of
 
 
 class ShardBinder:
@@ -39,14 +38,14 @@ class ShardBinder:
         env = {v: self.constant(v, c) for v, c in zip(jaxpr.constvars, consts)}
         env.update(zip(jaxpr.invars, invals))
         for eqn in jaxpr.eqns:
-            operands = [self.operand(eqn, k, a, None if _jax.is_literal(a) else env[a])
+            operands = [self.operand(eqn, k, a, None if is_literal(a) else env[a])
                         for k, a in enumerate(eqn.invars)]
             env.update(zip(eqn.outvars, self.bind(eqn, operands)))
         return [read(env, v) for v in jaxpr.outvars]
 
     def operand(self, eqn, k: int, atom, value):
         """`eqn`'s operand at position `k`: `value`, or a literal (a capacity at a shard's)."""
-        return self.literals.get((id(eqn), k), atom.val) if _jax.is_literal(atom) else value
+        return self.literals.get((id(eqn), k), atom.val) if is_literal(atom) else value
 
     def constant(self, var, value):
         shape = self.sizes.get(var)

@@ -12,9 +12,8 @@ import math
 import numpy as np
 from jax.sharding import AbstractMesh
 
-from ... import _jax
 from ..._token_axes import as_axes
-from ...jaxpr import sub_of
+from ...jaxpr import is_literal, sub_of
 
 # Results shaped like their first operand whatever the others' sizes.
 FOLLOWS_FIRST = ("scatter", "scatter-add", "scatter_add", "scatter-mul", "scatter_mul", "scatter-min",
@@ -27,19 +26,19 @@ class Unfit(Exception):
     """The global jaxpr does not bind again at one shard's shapes."""
 
 
-def mend(eqn, invals, known_first=lambda atom: True) -> dict:
+def operands_to_resize(eqn, invals, known_first=lambda atom: True) -> dict:
     """The operands to rebuild, and at which shapes, for `eqn` to bind on `invals`: {}
     where that is not known. `known_first`: whether an operand's shape is known rather
     than guessed; the known ones decide first."""
     name = eqn.primitive.name
     if elementwise(eqn):
-        return _met(eqn, invals, known_first)
+        return _elementwise_resize(eqn, invals, known_first)
     if name == "concatenate":
-        return _met_along(eqn, invals, eqn.params["dimension"])
+        return _concatenated_resize(eqn, invals, eqn.params["dimension"])
     if name == "dot_general":
-        return _met_contracting(eqn, invals)
+        return _contracted_resize(eqn, invals)
     if name.startswith("scatter"):
-        return _scatter_met(eqn, invals)
+        return _scattered_resize(eqn, invals)
     return {}
 
 
@@ -50,7 +49,7 @@ def elementwise(eqn) -> bool:
     if not eqn.outvars or sub_of(eqn) is not None or eqn.primitive.name in _NOT_ELEMENTWISE:
         return False
     shape = eqn.outvars[0].aval.shape
-    operands = [a.aval.shape for a in eqn.invars if not _jax.is_literal(a)]
+    operands = [a.aval.shape for a in eqn.invars if not is_literal(a)]
     return (all(v.aval.shape == shape for v in eqn.outvars)
             and any(fitted(a, shape, shape) is not None for a in operands)
             and all(not a or fitted(a, shape, shape) is not None for a in operands))
@@ -66,34 +65,34 @@ def fitted(operand, result, target) -> tuple | None:
     return tuple(t if n == g else 1 for n, g, t in zip(operand, result, target))
 
 
-def _met(eqn, invals, known_first) -> dict:
+def _elementwise_resize(eqn, invals, known_first) -> dict:
     """The operands of an elementwise op to rebuild. Each dimension takes its size from
     the operand of a known shape that shrank along the most dimensions and does not
     broadcast there (the others still have a global size, or a guessed split)."""
     result = eqn.outvars[0].aval.shape
     operands = [(a.aval.shape, np.shape(x), known_first(a)) for a, x in zip(eqn.invars, invals)
-                if not _jax.is_literal(a) and fitted(a.aval.shape, result, result)]
+                if not is_literal(a) and fitted(a.aval.shape, result, result)]
     operands.sort(key=lambda o: (not o[2], -sum(n != g for n, g in zip(o[1], o[0]))))
     target = tuple(next((s[d] for g, s, _ in operands if g[d] == result[d]), result[d])
                    for d in range(len(result)))
     resized = {}
     for a, x in zip(eqn.invars, invals):
-        wanted = None if _jax.is_literal(a) else fitted(a.aval.shape, result, target)
+        wanted = None if is_literal(a) else fitted(a.aval.shape, result, target)
         if wanted is not None and np.shape(x) != wanted:
             resized[a] = wanted
     return resized
 
 
-def _met_along(eqn, invals, axis: int) -> dict:
+def _concatenated_resize(eqn, invals, axis: int) -> dict:
     """The operands of a concatenation to rebuild: along every other dimension, at the
     size of the operand that shrank along the most dimensions."""
-    shapes = {a: np.shape(x) for a, x in zip(eqn.invars, invals) if not _jax.is_literal(a)}
+    shapes = {a: np.shape(x) for a, x in zip(eqn.invars, invals) if not is_literal(a)}
     target = max(shapes.values(), key=lambda s: sum(n != g for n, g in zip(s, eqn.outvars[0].aval.shape)))
     wanted = {a: target[:axis] + (s[axis],) + target[axis + 1:] for a, s in shapes.items()}
     return {a: w for a, w in wanted.items() if w != shapes[a]}
 
 
-def _met_contracting(eqn, invals) -> dict:
+def _contracted_resize(eqn, invals) -> dict:
     """The operand of a dot_general to rebuild where its contracting or batch dimensions
     do not match the other's: at the size of the one that shrank along more of them."""
     (lhs_c, rhs_c), (lhs_b, rhs_b) = eqn.params["dimension_numbers"]
@@ -109,7 +108,7 @@ def _met_contracting(eqn, invals) -> dict:
     return {other: tuple(wanted)} if tuple(wanted) != shape else {}
 
 
-def _scatter_met(eqn, invals) -> dict:
+def _scattered_resize(eqn, invals) -> dict:
     """A scatter's operand and updates to rebuild where they do not match its indices'
     shard size: the updates' scatter dimensions are the indices' (all but the last, JAX's
     index vector), the operand's batching dimensions the indices' batching ones."""
@@ -124,13 +123,13 @@ def _scatter_met(eqn, invals) -> dict:
         wanted[0][od] = indices[idx]
     wanted[0] = tuple(wanted[0])
     return {eqn.invars[k]: shape for k, shape in wanted.items()
-            if shape != np.shape(invals[k]) and not _jax.is_literal(eqn.invars[k])}
+            if shape != np.shape(invals[k]) and not is_literal(eqn.invars[k])}
 
 
 def broadcast_shape(eqn, operand_shape) -> tuple:
     """A broadcast's result at the operand's size along the dimensions it maps."""
     shape = list(eqn.params["shape"])
-    global_operand = eqn.invars[0].aval.shape if not _jax.is_literal(eqn.invars[0]) else ()
+    global_operand = eqn.invars[0].aval.shape if not is_literal(eqn.invars[0]) else ()
     for n, g, d in zip(operand_shape, global_operand, eqn.params["broadcast_dimensions"]):
         if g == shape[d]:
             shape[d] = n

@@ -5,5 +5,5 @@ shapes (`trace_step`)."""
 from ._lost import Lost as Lost
 from ._lost import lost_in as lost_in
 from ._trace import Tokens as Tokens
-from ._trace import Traces as Traces
 from ._trace import trace_step as trace_step
+from ._trace import Traces as Traces

@@ -34,8 +34,7 @@ import numpy as np
 from ... import _jax
 from ..._token_axes import as_axes
 from ..shard import ShardBinder
-from ...jaxpr import bind_eqn, read
-from ...jaxpr import bind_with, carries, sub_of
+from ...jaxpr import bind_eqn, bind_with, carries, equations, is_literal, read, sub_of
 
 # Collectives whose result, over a value that is the same on every device, is known.
 _SUMS = {"psum", "psum_invariant"}
@@ -46,7 +45,7 @@ def inline_same_on_every_device(closed):
     """`closed` (a ClosedJaxpr, traced in the mesh context in effect) with each shard_map in
     which every device computes the same thing replaced by its body, in the bodies of the
     calls and loops that hold one too; `closed` itself where there is none."""
-    if not any(_may_inline(e) and _takes_whole_operands(e) for e in _jax.equations(closed.jaxpr)):
+    if not any(_may_inline(e) and _takes_whole_operands(e) for e in equations(closed.jaxpr)):
         return closed   # copies come only from such a one: none is inlined
     inliner = _Inliner()
     avals = [_jax.struct_of(v.aval) for v in closed.jaxpr.invars]
@@ -58,7 +57,7 @@ def _may_inline(eqn) -> bool:
     if eqn.primitive.name != "shard_map":
         return False
     return all(e.primitive.name in _SUMS | _UNCHANGED or not _axes_named(e)
-               for e in _jax.equations(eqn.params["jaxpr"]))
+               for e in equations(eqn.params["jaxpr"]))
 
 
 def _takes_whole_operands(eqn) -> bool:
@@ -96,11 +95,11 @@ class _Inliner:
         copies = {v: c for v, c in copies_in.items() if c}
         for eqn in jaxpr.eqns:
             outs, out_copies = self.bind(eqn, [read(env, a) for a in eqn.invars],
-                                         [None if _jax.is_literal(a) else copies.get(a) for a in eqn.invars])
+                                         [None if is_literal(a) else copies.get(a) for a in eqn.invars])
             env.update(zip(eqn.outvars, outs))
             copies.update((v, c) for v, c in zip(eqn.outvars, out_copies) if c)
         outs = [read(env, v) for v in jaxpr.outvars]
-        held = [None if _jax.is_literal(v) else copies.get(v) for v in jaxpr.outvars]
+        held = [None if is_literal(v) else copies.get(v) for v in jaxpr.outvars]
         if top:
             return [_tiled(x, c) for x, c in zip(outs, held)], {}
         return outs, {k: c for k, c in enumerate(held) if c}
@@ -111,7 +110,7 @@ class _Inliner:
             if inlined is not None:
                 return inlined
         sub = sub_of(eqn)
-        if sub is not None and (any(copies) or any(_may_inline(e) for e in _jax.equations(sub.jaxpr))):
+        if sub is not None and (any(copies) or any(_may_inline(e) for e in equations(sub.jaxpr))):
             return self._entered(eqn, sub, invals, copies)
         return bind_eqn(eqn, [_tiled(x, c) for x, c in zip(invals, copies)]), [None] * len(eqn.outvars)
 
@@ -166,7 +165,7 @@ class _SameOnEveryDevice(ShardBinder):
         self.mesh_sizes = sizes
 
     def operand(self, eqn, k: int, atom, value):
-        return _jax.unplaced(atom.val) if _jax.is_literal(atom) else value
+        return _jax.unplaced(atom.val) if is_literal(atom) else value
 
     def bind(self, eqn, invals: list) -> list:
         name = eqn.primitive.name

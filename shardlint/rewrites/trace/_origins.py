@@ -17,11 +17,13 @@ import numpy as np
 
 from ... import _jax
 from ..shard import FOLLOWS_FIRST, Unfit, elementwise, fitted, reshaped
-from ...jaxpr import sub_of
+from ...jaxpr import is_literal, sub_of, variables
 
 
-class Meets(Exception):
-    """An op met operands at other sizes: make them again at these shapes."""
+class ResizeAndRetry(Exception):
+    """An op met operands at other sizes: the pass stops (it runs inside `jax.eval_shape`,
+    which an exception leaves cleanly), the graph makes them again at these shapes
+    (`Graph.rebuild`), and the pass runs again."""
 
     def __init__(self, eqn, resized: dict):
         super().__init__()
@@ -53,7 +55,7 @@ class Graph:
             if sub is None:
                 continue
             for k, (a, inner) in enumerate(zip(eqn.invars, sub.jaxpr.invars)):
-                if not _jax.is_literal(a):
+                if not is_literal(a):
                     self.outer[inner] = (a, sub.stacks and k >= sub.sliced_from)
             self._index(sub.jaxpr, sub.consts)
 
@@ -73,8 +75,8 @@ class Graph:
             return eqn.params["dimension"]
         if sub is not None and not sub.stacks:
             inner = sub.jaxpr.outvars[eqn.outvars.index(var)]
-            return None if _jax.is_literal(inner) else self.iota_dimension(inner)
-        if operand is None or _jax.is_literal(operand):
+            return None if is_literal(inner) else self.iota_dimension(inner)
+        if operand is None or is_literal(operand):
             return None
         if name == "convert_element_type":
             return self.iota_dimension(operand)
@@ -88,7 +90,7 @@ class Graph:
         self.opaque[id(eqn)] = why
         self.placeholders.update(eqn.outvars)
 
-    def rebuild(self, meets: Meets, shapes: dict) -> None:
+    def rebuild(self, resize: ResizeAndRetry, shapes: dict) -> None:
         """Makes each value the op met at its shape in the next pass (`shapes`: this
         pass's), rebuilding what it is made from. Where that cannot be (a value that would
         have two sizes, or is still not what it meets), the op that met them gives
@@ -96,11 +98,11 @@ class Graph:
         sizes, stand_ins, placeholders = dict(self.sizes), set(self.stand_ins), set(self.placeholders)
         done: set = set()
         try:
-            for var, shape in meets.resized.items():
+            for var, shape in resize.resized.items():
                 self._rebuild(var, shape, shapes, done)
         except Unfit as e:
             self.sizes, self.stand_ins, self.placeholders = sizes, stand_ins, placeholders
-            self.unbound(meets.eqn, str(e))
+            self.unbound(resize.eqn, str(e))
 
     def _rebuild(self, var, shape: tuple, shapes: dict, done: set) -> None:
         if var in done:
@@ -138,13 +140,13 @@ class Graph:
         if id(eqn) in self.opaque:
             raise Unfit(f"{var.aval.str_short()} is made by {eqn.primitive.name}, which does not bind per shard")
         name = eqn.primitive.name
-        operands = [a for a in eqn.invars if not _jax.is_literal(a)]
+        operands = variables(eqn.invars)
         sub = sub_of(eqn)
         if sub is not None:   # the body's result at the same place
             k = eqn.outvars.index(var)
             inner = sub.jaxpr.outvars[k]
             stacked = sub.stacks and k >= sub.sliced_from - _jax.scan_counts(eqn.params)[0]
-            if _jax.is_literal(inner):
+            if is_literal(inner):
                 raise Unfit(f"{var.aval.str_short()} made by {name} meets a value of another size")
             return [(inner, shape[1:] if stacked else shape)]
         if name == "iota":
@@ -195,17 +197,17 @@ def from_configuration(jaxpr, stand_ins: set) -> frozenset:
     def walk(jaxpr) -> None:
         fixed.update(jaxpr.constvars)
         for eqn in jaxpr.eqns:
-            ins = [a for a in eqn.invars if not _jax.is_literal(a)]
+            ins = variables(eqn.invars)
             sub = sub_of(eqn)
             if sub is not None:
                 for a, inner in zip(eqn.invars, sub.jaxpr.invars):
-                    if _jax.is_literal(a) or a in fixed:
+                    if is_literal(a) or a in fixed:
                         fixed.add(inner)
                     elif a in found:
                         found.add(inner)
                 walk(sub.jaxpr)
                 for out, inner in zip(eqn.outvars, sub.jaxpr.outvars):
-                    if _jax.is_literal(inner) or inner in fixed:   # a body may return a literal
+                    if is_literal(inner) or inner in fixed:   # a body may return a literal
                         fixed.add(out)
                     elif inner in found:
                         found.add(out)

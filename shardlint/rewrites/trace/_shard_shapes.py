@@ -49,14 +49,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ... import _jax
 from ..._errors import ShardlintError, first_line
 from ..._source import raised_by_shardlint
-from ..shard import ShardBinder
-from ._origins import Graph, Meets, from_configuration
+from ..shard import declared_shapes, elementwise, fitted, folded, operands_to_resize, reshaped, ShardBinder, Unfit
+from ._origins import Graph, ResizeAndRetry, from_configuration
 from ..._ops import CUMULATIVE_PRIMITIVES
-from ..shard import Unfit, declared_shapes, elementwise, fitted, folded, mend, reshaped
-from ...jaxpr import sub_of
+from ...jaxpr import is_literal, sub_of
 
 _ATTEMPTS = 64
 _ORDERINGS = {"lt", "le", "gt", "ge"}
@@ -91,8 +89,8 @@ def shard_shapes(closed, avals, divided: dict[str, int], *, capacity: bool = Fal
         shape_pass = _ShapePass(graph, literals, {}, divided, capacity, mesh)
         try:
             jax.eval_shape(lambda *xs: shape_pass.run(closed.jaxpr, closed.consts, xs), *avals)
-        except Meets as meets:
-            graph.rebuild(meets, shape_pass.shapes)
+        except ResizeAndRetry as resize:
+            graph.rebuild(resize, shape_pass.shapes)
             continue
         stand_ins = from_configuration(closed.jaxpr, graph.stand_ins) | graph.placeholders
         return ShardShapes(shape_pass.shapes, dict(graph.sizes), dict(literals), shape_pass.folds,
@@ -128,22 +126,22 @@ class _ShapePass(ShardBinder):
             # An elementwise op whose operands shrank apart may still bind where a shard's
             # dimension is 1 (one batch row per device): JAX broadcasts it. They meet all
             # the same.
-            resized = mend(eqn, invals, known_first=known) if elementwise(eqn) else {}
+            resized = operands_to_resize(eqn, invals, known_first=known) if elementwise(eqn) else {}
             if resized:
-                raise Meets(eqn, resized)
+                raise ResizeAndRetry(eqn, resized)
             try:
                 outs = super().bind(eqn, invals)
-            except (Meets, ShardlintError):
+            except (ResizeAndRetry, ShardlintError):
                 raise
             except Exception as error:   # JAX refusing these shapes, in whatever words
                 if raised_by_shardlint(error) and not isinstance(error, Unfit):
                     raise   # shardlint's own bug: said as one, never as an op that does not bind
-                resized = mend(eqn, invals, known_first=known)
+                resized = operands_to_resize(eqn, invals, known_first=known)
                 if resized:
-                    raise Meets(eqn, resized) from None
+                    raise ResizeAndRetry(eqn, resized) from None
                 self.graph.unbound(eqn, f"{type(error).__name__}: {first_line(error)}")
                 outs = self._placeholders(eqn)
-        outs = [self._made_as_met(v, x) for v, x in zip(eqn.outvars, outs)]
+        outs = [self._placeholder_as_met(v, x) for v, x in zip(eqn.outvars, outs)]
         self.shapes.update((v, np.shape(x)) for v, x in zip(eqn.outvars, outs))
         if eqn.primitive.name == "reshape" and eqn.params.get("dimensions") is None:
             self._fold(eqn, np.shape(invals[0]))
@@ -154,11 +152,11 @@ class _ShapePass(ShardBinder):
 
     def call(self, eqn, sub, invals) -> list:
         for a, inner in zip(eqn.invars, sub.jaxpr.invars):
-            if not _jax.is_literal(a) and a in self.counts:
+            if not is_literal(a) and a in self.counts:
                 self.counts[inner] = self.counts[a]
         outs = super().call(eqn, sub, invals)
         for v, inner in zip(eqn.outvars, sub.jaxpr.outvars):
-            if not _jax.is_literal(inner) and inner in self.counts:
+            if not is_literal(inner) and inner in self.counts:
                 self.counts[v] = self.counts[inner]
         return outs
 
@@ -184,7 +182,7 @@ class _ShapePass(ShardBinder):
                   else [self.sizes.get(v, v.aval.shape) for v in eqn.outvars])
         return [jnp.zeros(s, v.aval.dtype) for v, s in zip(eqn.outvars, shapes)]
 
-    def _made_as_met(self, var, value):
+    def _placeholder_as_met(self, var, value):
         """A result the pass must make at the size it is met with, but cannot make from its
         operands: a placeholder of that size."""
         shape = self.sizes.get(var)
@@ -196,7 +194,7 @@ class _ShapePass(ShardBinder):
         """A guessed split met by a value of a known shape along the split's dimensions is
         settled; what is computed from guessed values alone has their guess."""
         shape = eqn.outvars[0].aval.shape
-        operands = [a for a in eqn.invars if not _jax.is_literal(a) and fitted(a.aval.shape, shape, shape)]
+        operands = [a for a in eqn.invars if not is_literal(a) and fitted(a.aval.shape, shape, shape)]
         guessed = [a for a in operands if a in self.guesses]
         for a in guessed:
             split, dims = self.guesses[a]
@@ -211,13 +209,13 @@ class _ShapePass(ShardBinder):
         """Running totals: a cumulative op's results along a dimension that shrank, and
         what is computed from one by anything but a comparison."""
         name = eqn.primitive.name
-        if name in CUMULATIVE_PRIMITIVES and not _jax.is_literal(eqn.invars[0]):
+        if name in CUMULATIVE_PRIMITIVES and not is_literal(eqn.invars[0]):
             axis = eqn.params.get("axis", 0)
             total, shard = eqn.invars[0].aval.shape[axis], np.shape(invals[0])[axis]
             if shard and total != shard:
                 self.counts.update((v, total // shard) for v in eqn.outvars)
             return
-        counted = [self.counts[a] for a in eqn.invars if not _jax.is_literal(a) and a in self.counts]
+        counted = [self.counts[a] for a in eqn.invars if not is_literal(a) and a in self.counts]
         if counted and name not in _ORDERINGS | _EQUALITIES and sub_of(eqn) is None:
             self.counts.update((v, max(counted)) for v in eqn.outvars)
 
@@ -226,13 +224,13 @@ class _ShapePass(ShardBinder):
         (`literals`); the iota a one-hot over such positions compares them with is made at a
         shard's number of classes."""
         name = eqn.primitive.name
-        counted = [self.counts[a] for a in eqn.invars if not _jax.is_literal(a) and a in self.counts]
+        counted = [self.counts[a] for a in eqn.invars if not is_literal(a) and a in self.counts]
         if not counted:
             return
         shards = counted[0]
         if name in _ORDERINGS:
             for k, a in enumerate(eqn.invars):
-                if _jax.is_literal(a) and np.ndim(a.val) == 0 and float(a.val) >= 1 and float(a.val).is_integer():
+                if is_literal(a) and np.ndim(a.val) == 0 and float(a.val) >= 1 and float(a.val).is_integer():
                     whole = int(a.val)
                     per_shard = max(1, whole // shards)
                     self.capacities[shards] = (whole, per_shard)
@@ -241,7 +239,7 @@ class _ShapePass(ShardBinder):
         elif name in _EQUALITIES and shards in self.capacities:
             whole, per_shard = self.capacities[shards]
             for a, x in zip(eqn.invars, invals):
-                dim = None if _jax.is_literal(a) else self.graph.iota_dimension(a)
+                dim = None if is_literal(a) else self.graph.iota_dimension(a)
                 if dim is None:
                     continue
                 classes = a.aval.shape[dim]
@@ -249,4 +247,4 @@ class _ShapePass(ShardBinder):
                     continue
                 wanted = tuple(classes - whole + per_shard if d == dim else n for d, n in enumerate(np.shape(x)))
                 if wanted != np.shape(x):
-                    raise Meets(eqn, {a: wanted})
+                    raise ResizeAndRetry(eqn, {a: wanted})
