@@ -1,8 +1,8 @@
 """ShardedRoutedMoE next to MaxText's RoutedMoE: per-device memory, all-gathers, step time.
 
 Both layers are built on the same config in one process: MaxText 0.2.5's own RoutedMoE
-(its config, 12-axis mesh and logical-axis shardings, through
-`shardlint.integrations.maxtext_moe`; the sparse, dropless path) and shardlint's
+(its config, 12-axis mesh and logical-axis shardings, through the tests'
+`support.maxtext_moe`; the sparse, dropless path) and shardlint's
 ShardedRoutedMoE in its default memory-lean layout, on MaxText's mesh and with MaxText's x
 sharding. Each is compiled as value_and_grad of mean(out**2) w.r.t. params and x, at
 context degrees cp on the mesh data x context=cp (MaxText's other axes 1). Printed per
@@ -30,7 +30,11 @@ import dataclasses
 import importlib
 import importlib.metadata
 import sys
+from pathlib import Path
 from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]   # run from a checkout; the tests' MaxText layer
 
 TARGET = 1.15
 CPU_SIZES = dict(batch=2, seqs=(2048, 8192), emb=64, mlp=128, experts=8, top_k=2,
@@ -129,7 +133,7 @@ def _layers(args, seq: int, cp: int, devices) -> dict[str, tuple[Any, tuple[Any,
     import _common
     from shardlint import moe
     from shardlint.examples.steps import Sizes
-    from shardlint.integrations import maxtext_moe
+    from support import maxtext_moe
 
     sizes = Sizes(batch=args.batch, seq=seq, emb=args.emb, mlp=args.mlp, experts=args.experts,
                   top_k=args.top_k)

@@ -179,7 +179,7 @@ def schemas() -> str:
     return module.schema_page()
 
 
-MAXTEXT_MOE = ("analyze", "shardlint.integrations.maxtext_moe:make_moe_step", "--devices", "8", "--set", "sparse=false")
+MAXTEXT_MOE = ("analyze", "tests.support.maxtext_moe:make_moe_step", "--devices", "8", "--set", "sparse=false")
 MAXTEXT = ("shardlint.integrations.maxtext:make_step", "--devices", "8",
            "--set", "decoder_block=mixtral", "--set", "base_num_decoder_layers=2", "--set", "base_emb_dim=64",
            "--set", "base_mlp_dim=128", "--set", "base_moe_mlp_dim=128", "--set", "num_experts=8",

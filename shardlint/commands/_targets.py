@@ -139,9 +139,8 @@ def parse_options(words: list[str] | None) -> dict[str, Any]:
 
 def make_step(target: str, mesh, options: dict[str, Any] | None = None, *,
               devices: list | None = None) -> tuple[Callable, tuple[Any, ...]]:
-    """Calls the target with the mesh (None under `--devices` and `--topology` alone) and
-    the `--set` options as keyword arguments, plus `devices=` (a TPU topology's chips) for a
-    target that builds its own mesh over them; it must return (step_fn, args)."""
+    """Calls the target and checks what it returns, as the target contract says: it is
+    stated once, on `shardlint.integrations`' face."""
     factory = load_target(target)
     kwargs = dict(options or {})
     if devices is not None:

@@ -38,17 +38,20 @@ import math
 import os
 from typing import Any, Callable, Sequence
 
-from .._errors import UsageError
-from ._library import one_line, quiet
+from ._library import Library, LibraryError, described, devices_of, unknown_key
 
-INSTALL = "pip install 'shardlint[keras-hub]'"
 AXES = ("batch", "model")   # Qwen3MoeBackbone.get_layout_map's default axis names
 _TRAINING_KEYS = ("mesh_shape", "batch_size", "sequence_length")
 
 
-class KerasHubError(UsageError):
+class KerasHubError(LibraryError):
     """Keras or keras-hub is missing, on another backend, or the model or mesh cannot be
     built as asked."""
+
+
+# Imported quietly: keras-hub imports TensorFlow, which prints notes as it loads.
+KERAS_HUB = Library("keras-hub", "keras-hub", KerasHubError, modules=("keras", "keras_hub"))
+INSTALL = KERAS_HUB.install
 
 
 def make_step(mesh=None, *, devices: Sequence[Any] | None = None, mesh_shape: Sequence[int] | None = None,
@@ -66,16 +69,12 @@ def make_step(mesh=None, *, devices: Sequence[Any] | None = None, mesh_shape: Se
     import jax
 
     keras, keras_hub = _require_keras_hub()
-    devices = list(devices) if devices is not None else (list(mesh.devices.flat) if mesh is not None
-                                                         else jax.devices())
+    devices = devices_of(mesh, devices)
     shape = tuple(mesh_shape) if mesh_shape is not None else (1, len(devices))
     if len(shape) != 2 or math.prod(shape) != len(devices):
         raise KerasHubError(f"mesh_shape {list(shape)} must be [batch, model] with batch x model = "
                             f"{len(devices)} devices")
-    if mesh is not None and dict(mesh.shape) != dict(zip(AXES, shape)):
-        raise KerasHubError(f"the mesh {dict(mesh.shape)} is not Keras's for this config "
-                            f"({dict(zip(AXES, shape))}); use --devices N and --set mesh_shape=[B, M] "
-                            f"instead of --mesh")
+    KERAS_HUB.refuse_other_mesh(mesh, dict(zip(AXES, shape)), owner="Keras", way_out="--set mesh_shape=[B, M]")
     device_mesh = keras.distribution.DeviceMesh(shape=shape, axis_names=AXES, devices=devices)
     Backbone = keras_hub.models.Qwen3MoeBackbone
     layout_map = Backbone.get_layout_map(device_mesh)
@@ -107,7 +106,7 @@ def _backbone(Backbone, keys: dict[str, Any]):
     unknown = [k for k in keys if k not in params]
     if unknown:
         takes = [k for k in params if k not in ("self", "kwargs")]
-        raise KerasHubError(f"Qwen3MoeBackbone takes no argument {unknown[0]!r} (--set {unknown[0]}=...); "
+        raise KerasHubError(f"{unknown_key('Qwen3MoeBackbone takes no argument', unknown[0])}; "
                             f"it takes {', '.join(takes)}; the training keys are {', '.join(_TRAINING_KEYS)}")
     missing = [k for k, p in params.items() if p.default is inspect.Parameter.empty
                and p.kind is p.POSITIONAL_OR_KEYWORD and k != "self" and k not in keys]
@@ -117,7 +116,7 @@ def _backbone(Backbone, keys: dict[str, Any]):
     try:
         return Backbone(**keys)
     except (ValueError, TypeError) as e:   # its own checks, and a layout its sizes do not divide
-        raise KerasHubError(f"Qwen3MoeBackbone cannot be built as asked: {one_line(e) or type(e).__name__}") from None
+        raise KerasHubError(f"Qwen3MoeBackbone cannot be built as asked: {described(e)}") from None
 
 
 def _batch(batch_size: int, sequence_length: int):
@@ -134,12 +133,7 @@ def _require_keras_hub():
     if backend != "jax":
         raise KerasHubError(f"KERAS_BACKEND is {backend!r}: keras-hub's step runs on Keras's JAX backend; "
                             f"unset it or set KERAS_BACKEND=jax")
-    try:
-        with quiet():   # keras-hub imports TensorFlow, which prints notes as it loads
-            import keras
-            import keras_hub
-    except ImportError as e:
-        raise KerasHubError(f"keras-hub is not installed ({e}); {INSTALL}") from None
+    keras, keras_hub = KERAS_HUB.require()
     if keras.backend.backend() != "jax":
         raise KerasHubError(f"Keras was imported with its {keras.backend.backend()!r} backend before "
                             f"shardlint could ask for JAX: set KERAS_BACKEND=jax")

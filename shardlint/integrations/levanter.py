@@ -38,21 +38,23 @@ Levanter (the `marin-levanter` package) needs Python 3.12 and JAX < 0.12:
 from __future__ import annotations
 
 import dataclasses
-import sys
 from typing import Any, Callable, Sequence
 
-from .._errors import UsageError
-from ._library import did_you_mean, one_line, quiet
-
-INSTALL = "pip install 'shardlint[levanter]'"
+from ._library import Library, LibraryError, described, devices_of, unknown_key
 
 # What a run outside a training job needs; the caller's keys win.
 _OUTSIDE_A_JOB: dict[str, Any] = dict(tracker={"type": "noop"}, require_accelerator=False,
                                       log_jaxprs=False, log_xla_hlo=False, id="shardlint")
 
 
-class LevanterError(UsageError):
+class LevanterError(LibraryError):
     """Levanter is missing, or its config or mesh cannot be built as asked."""
+
+
+# Imported quietly: transformers prints a note when it imports without PyTorch.
+LEVANTER = Library("Levanter", "levanter", LevanterError, modules=("levanter.models.mixtral",),
+                   python=(3, 12), distribution="marin-levanter")
+INSTALL = LEVANTER.install
 
 
 def make_step(mesh=None, *, devices: Sequence[Any] | None = None, vocab_size: int = 256,
@@ -65,16 +67,11 @@ def make_step(mesh=None, *, devices: Sequence[Any] | None = None, vocab_size: in
     (default `jax.devices()`); a `mesh` given must have Levanter's axes and sizes for this
     config (shardlint's CLI passes None under `--devices` and `--topology`).
     """
-    import jax
-
-    devices = list(devices) if devices is not None else (list(mesh.devices.flat) if mesh is not None
-                                                         else jax.devices())
+    devices = devices_of(mesh, devices)
     model_config, trainer_config = make_configs(**keys)   # says so if Levanter is missing
     levanter_mesh = _mesh(trainer_config, devices)
-    if mesh is not None and dict(mesh.shape) != dict(levanter_mesh.shape):
-        raise LevanterError(f"the mesh {dict(mesh.shape)} is not Levanter's for this config "
-                            f"({dict(levanter_mesh.shape)}); use --devices N and --set axes=... "
-                            f"(Levanter's trainer.mesh.axes as JSON) instead of --mesh")
+    LEVANTER.refuse_other_mesh(mesh, levanter_mesh.shape,
+                               way_out="--set axes=... (Levanter's trainer.mesh.axes as JSON)")
     return _train_step(model_config, trainer_config, levanter_mesh, vocab_size=vocab_size)
 
 
@@ -84,7 +81,7 @@ def make_configs(**keys: Any):
     Levanter's YAML has it: `model.*` (MixtralConfig), `trainer.*` (TrainerConfig) or
     `trainer.mesh.*` (MeshConfig: `axes`, `dcn_axes`, `shared_mapping`, `compute_mapping`,
     `param_mapping`, `batch_axis_name`)."""
-    _require_levanter()
+    LEVANTER.require()
     import draccus
     from levanter.models.mixtral import MixtralConfig
     from levanter.trainer import TrainerConfig
@@ -97,13 +94,15 @@ def make_configs(**keys: Any):
     mesh_keys = {k: v for k, v in keys.items() if k in mesh_fields}
     trainer_keys = {**_OUTSIDE_A_JOB, **{k: v for k, v in keys.items() if k in trainer_fields},
                     **({"mesh": mesh_keys} if mesh_keys else {})}
-    unknown = [k for k in keys if k not in model_fields | mesh_fields | trainer_fields]
+    valid = model_fields | mesh_fields | trainer_fields
+    unknown = [k for k in keys if k not in valid]
     if unknown:
-        raise LevanterError(_unknown_key(unknown[0], sorted(model_fields | mesh_fields | trainer_fields)))
+        raise LevanterError(unknown_key("Levanter's MixtralConfig, TrainerConfig and MeshConfig have no key",
+                                        unknown[0], sorted(valid)))
     try:
         return (draccus.decode(MixtralConfig, model_keys), draccus.decode(TrainerConfig, trainer_keys))
     except Exception as e:   # draccus raises its own DecodingError, and the configs' checks others
-        raise LevanterError(f"Levanter rejects the config: {one_line(e) or type(e).__name__}") from None
+        raise LevanterError(f"Levanter rejects the config: {described(e)}") from None
 
 
 def _train_step(model_config, trainer_config, mesh, *, vocab_size: int):
@@ -177,24 +176,8 @@ def _mesh(trainer_config, devices: list):
         return create_mesh_from_axis_specs(ici_axes=ici, dcn_axes=dcn, devices=devices)
     except ValueError as e:
         raise LevanterError(f"Levanter cannot lay its mesh over {len(devices)} devices with "
-                            f"axes {dict(trainer_config.mesh.axes)}: {one_line(e) or type(e).__name__}") from None
+                            f"axes {dict(trainer_config.mesh.axes)}: {described(e)}") from None
 
 
 def _fields(cls) -> set[str]:
     return {f.name for f in dataclasses.fields(cls)}
-
-
-def _require_levanter() -> None:
-    if sys.version_info < (3, 12):
-        raise LevanterError(f"Levanter (marin-levanter) needs Python 3.12+ (this is "
-                            f"{sys.version.split()[0]}); in a Python 3.12 environment: {INSTALL}")
-    try:
-        with quiet():   # transformers prints a note when it imports without PyTorch
-            import levanter.models.mixtral  # noqa: F401
-    except ImportError as e:
-        raise LevanterError(f"Levanter is not installed ({e}); {INSTALL}") from None
-
-
-def _unknown_key(key: str, valid: list[str]) -> str:
-    return (f"Levanter's MixtralConfig, TrainerConfig and MeshConfig have no key {key!r} "
-            f"(--set {key}=...){did_you_mean(key, valid)}")

@@ -21,7 +21,8 @@ import pytest
 pytest.importorskip("maxtext", reason="MaxText is not installed: pip install -e '.[maxtext]' (Python 3.12+)")
 
 import shardlint  # noqa: E402
-from shardlint.integrations import maxtext_moe  # noqa: E402
+
+from support import maxtext_moe  # noqa: E402
 
 pytestmark = pytest.mark.maxtext
 

@@ -12,13 +12,13 @@ config the hand-over cannot serve or a refused rewrite is one line and exit 2.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import sys
 from typing import Sequence
 
 from ..._errors import UsageError, exit_code
+from .._library import closest
 from ._handover import Fixed, Options, handed_over
-from ._target import _require_maxtext
+from ._target import MAXTEXT
 
 PREFIX = "shardlint_"
 # key -> Options field
@@ -48,7 +48,7 @@ def split(argv: Sequence[str]) -> tuple[Options, list[str]]:
             continue
         key, eq, value = arg.partition("=")
         if key not in KEYS:
-            close = difflib.get_close_matches(key, KEYS, n=1)
+            close = closest(key, KEYS, n=1)
             mistakes.append(f"shardlint has no key {key!r}"
                             + (f" (did you mean {close[0]}?)" if close else "")
                             + f"; its keys are {', '.join(KEYS)}")
@@ -78,7 +78,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _run(options: Options, maxtext_argv: list[str]) -> int:
-    _require_maxtext()
+    MAXTEXT.require()
     from absl import app
     from maxtext.trainers.pre_train import train
 

@@ -35,16 +35,10 @@ from __future__ import annotations
 import math
 import os
 import re
-import sys
 import tempfile
 from typing import Any, Callable, Sequence
 
-from ..._errors import UsageError
-from .._library import did_you_mean
-from .._library import one_line as _one_line
-from .._library import quiet as _quiet   # MaxText prints its whole config and absl notes
-
-INSTALL = "pip install 'shardlint[maxtext]'"
+from .._library import Library, LibraryError, described, devices_of, one_line, quiet, unknown_key
 
 # What a MaxText run outside a training job needs; the caller's overrides win.
 _OUTSIDE_A_JOB: dict[str, Any] = dict(
@@ -56,8 +50,14 @@ _OUTSIDE_A_JOB: dict[str, Any] = dict(
 _ON_CPU: dict[str, Any] = dict(hardware="cpu", megablox=False, use_tokamax_gmm=False)
 
 
-class MaxTextError(UsageError):
+class MaxTextError(LibraryError):
     """MaxText is missing, or its config or mesh cannot be built as asked."""
+
+
+# Imported (and its config read) quietly: MaxText prints its whole config and absl notes.
+MAXTEXT = Library("MaxText", "maxtext", MaxTextError, modules=("maxtext", "maxtext.configs.pyconfig"),
+                  python=(3, 12))
+INSTALL = MAXTEXT.install
 
 
 def make_step(mesh=None, *, devices: Sequence[Any] | None = None,
@@ -71,8 +71,7 @@ def make_step(mesh=None, *, devices: Sequence[Any] | None = None,
     """
     import jax
 
-    devices = list(devices) if devices is not None else (list(mesh.devices.flat) if mesh is not None
-                                                         else jax.devices())
+    devices = devices_of(mesh, devices)
     if len(devices) != jax.device_count():
         # MaxText counts its target devices (the global batch is per_device_batch_size x
         # them) from the devices JAX runs on; under --topology those are this host's, not
@@ -82,10 +81,8 @@ def make_step(mesh=None, *, devices: Sequence[Any] | None = None,
     from flax.core.spmd import logical_axis_rules
 
     maxtext_mesh = _mesh(config, devices)
-    if mesh is not None and dict(mesh.shape) != dict(maxtext_mesh.shape):
-        raise MaxTextError(f"the mesh {dict(mesh.shape)} is not MaxText's for this config "
-                           f"({_sizes(maxtext_mesh)}); use --devices N and set MaxText's "
-                           f"ici_*_parallelism keys instead of --mesh")
+    MAXTEXT.refuse_other_mesh(mesh, maxtext_mesh.shape, shown=_sizes(maxtext_mesh),
+                              way_out="set MaxText's ici_*_parallelism keys")
     state, batch, signature = _shaped_inputs(config, maxtext_mesh)
     train_step, in_shardings, out_shardings, donate_argnums = signature
     rules = config.logical_axis_rules
@@ -118,7 +115,7 @@ def initialize(keys: dict[str, Any], *, keep_maxtext_xla_flags: bool = False):
     restored after, which keeps the flags out; `keep_maxtext_xla_flags=True` leaves
     MaxText's behaviour as it is.
     """
-    _require_maxtext()
+    MAXTEXT.require()
     import jax
     from maxtext.configs import pyconfig
 
@@ -126,7 +123,7 @@ def initialize(keys: dict[str, Any], *, keep_maxtext_xla_flags: bool = False):
         jax.devices()  # XLA parses XLA_FLAGS when the backend starts: start it before MaxText
     saved_xla_flags = os.environ.get("XLA_FLAGS")
     try:
-        with _quiet():
+        with quiet():
             return pyconfig.initialize([""], **keys)
     except ValueError as e:
         unknown = re.match(r"'(\w+)' not in ", str(e))
@@ -134,7 +131,7 @@ def initialize(keys: dict[str, Any], *, keep_maxtext_xla_flags: bool = False):
             raise MaxTextError(_unknown_key(unknown.group(1), str(e))) from None
         raise MaxTextError(f"MaxText rejects the config: {_reason(e)}") from None
     except (AssertionError, TypeError) as e:
-        raise MaxTextError(f"MaxText rejects the config: {_one_line(e) or type(e).__name__}") from None
+        raise MaxTextError(f"MaxText rejects the config: {described(e)}") from None
     finally:
         if not keep_maxtext_xla_flags:
             if saved_xla_flags is None:
@@ -148,7 +145,7 @@ def _mesh(config, devices: list):
 
     try:
         return maxtext_utils.get_mesh_from_config(config, devices)
-    except (AssertionError, ValueError) as e:
+    except (AssertionError, ValueError):
         asked = ", ".join(f"{k}={v}" for k, v in _ici_keys(config).items() if v != 1)
         raise MaxTextError(
             f"MaxText cannot lay its mesh over {len(devices)} devices with {asked or 'every ici_* key 1'}: "
@@ -159,7 +156,7 @@ def _mesh(config, devices: list):
 def _shaped_inputs(config, mesh):
     """MaxText's shaped (state, batch) and (step, in/out shardings, donation), as
     train_compile.py makes them."""
-    with _quiet():   # MaxText's modules print notes on stdout as they import
+    with quiet():   # MaxText's modules print notes on stdout as they import
         from maxtext.trainers.pre_train import train, train_compile
         from maxtext.utils import maxtext_utils, sharding
 
@@ -177,21 +174,9 @@ def _shaped_inputs(config, mesh):
     return state, batch, (step, in_shardings, out_shardings, donate)
 
 
-def _require_maxtext() -> None:
-    if sys.version_info < (3, 12):
-        raise MaxTextError(f"MaxText needs Python 3.12+ (this is {sys.version.split()[0]}); "
-                           f"in a Python 3.12 environment: {INSTALL}")
-    try:
-        with _quiet():
-            import maxtext  # noqa: F401
-            from maxtext.configs import pyconfig  # noqa: F401
-    except ImportError as e:
-        raise MaxTextError(f"MaxText is not installed ({e}); {INSTALL}") from None
-
-
 def _unknown_key(key: str, message: str) -> str:
     valid = re.findall(r"'(\w+)'", message.split(" not in ", 1)[1])
-    return f"MaxText has no config key {key!r} (--set {key}=...){did_you_mean(key, valid)}"
+    return unknown_key("MaxText has no config key", key, valid)
 
 
 def _ici_keys(config) -> dict[str, int]:
@@ -211,6 +196,6 @@ def _reason(e: ValueError) -> str:
             return "; ".join(str(err.get("msg", "")).removeprefix("Value error, ") for err in errors())
         except Exception:  # not pydantic's errors() after all
             pass
-    return _one_line(e)
+    return one_line(e)
 
 

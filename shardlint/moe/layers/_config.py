@@ -96,7 +96,7 @@ class MoeConfig:
 class Sizes:
     """The shape of a training step around one routed MoE layer: global batch, sequence,
     model and expert widths, experts and experts per token. The example steps
-    (`shardlint.examples.steps`) and MaxText's layer (`integrations.maxtext_moe`) are
+    (`shardlint.examples.steps`) and MaxText's layer (`tests/support/maxtext_moe.py`) are
     built from it."""
 
     batch: int = 4

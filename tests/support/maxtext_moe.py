@@ -1,4 +1,6 @@
-"""MaxText 0.2.5's own RoutedMoE layer as a training-like step, for tests and benchmarks.
+"""MaxText 0.2.5's own RoutedMoE layer as a training-like step, for tests and benchmarks
+(tests import it as `support.maxtext_moe`; from the repository root it is also the target
+`tests.support.maxtext_moe:make_moe_step`).
 
 `make_moe_step` builds MaxText's config with `maxtext.configs.pyconfig.initialize`, MaxText's
 12-axis mesh with `maxtext.utils.maxtext_utils.get_mesh_from_config` (over `devices`, by
@@ -28,7 +30,8 @@ from typing import Any, Callable, Sequence
 import jax
 import jax.numpy as jnp
 
-from ..moe import Sizes
+from shardlint.integrations import maxtext
+from shardlint.moe import Sizes
 
 ACTIVATION_AXES = ("activation_batch", "activation_length", "activation_embed")
 
@@ -62,8 +65,6 @@ def make_config(*, sparse: bool, scan_layers: bool = False, context: int = 4, da
     `keep_maxtext_xla_flags`: see `shardlint.integrations.maxtext.initialize` (by default
     MaxText's own XLA_FLAGS, a dump folder, are kept out of the environment).
     """
-    from . import maxtext
-
     kwargs = dict(maxtext.defaults("cpu"), **FIXED_CONFIG, sparse_matmul=sparse,
                   scan_layers=scan_layers, ici_data_parallelism=data,
                   ici_context_parallelism=context, ici_fsdp_parallelism=1,
