@@ -1,9 +1,11 @@
-"""How shardlint writes numbers and places for people: one leaf module, imported by the
-analyzer, the reports and the gate alike (it imports nothing of shardlint's)."""
+"""How shardlint writes numbers and places for people, and its progress lines: one leaf
+module, imported by the analyzer, the reports, the gate and the commands alike (it imports
+nothing of shardlint's)."""
 
 from __future__ import annotations
 
 import os
+import sys
 
 
 def human_bytes(n: float | None) -> str:
@@ -45,3 +47,8 @@ def source_text(source, root: str = ".") -> str:
     if source is None:
         return "-"
     return f"{relative_source(source.file, root)}:{source.line}"
+
+
+def progress(message: str) -> None:
+    """One progress line on stderr, as every shardlint command and harness writes them."""
+    print(f"shardlint: {message}", file=sys.stderr, flush=True)

@@ -4,13 +4,9 @@
 from __future__ import annotations
 
 import math
-import sys
 
 from .._errors import UsageError
-
-
-def progress(message: str) -> None:
-    print(f"shardlint: {message}", file=sys.stderr, flush=True)
+from .._format import progress
 
 
 # Options that need the step's Python; a dump holds only what XLA compiled.

@@ -8,7 +8,8 @@ from __future__ import annotations
 import os
 
 from .._errors import UsageError
-from ._load import analyze_dump_of, load, load_sweep, progress, reads_dump
+from .._format import progress
+from ._load import analyze_dump_of, load, load_sweep, reads_dump
 from ._outputs import output_file, output_folder
 
 

@@ -19,12 +19,12 @@ import contextlib
 import dataclasses
 import functools
 import inspect
-import sys
 import warnings
 from typing import Callable, Iterator
 
 from ..._errors import NothingToRewrite, RewriteError
-from ..._format import human_bytes
+from ..._format import human_bytes, progress
+from ...jaxpr import equations
 from ._target import MaxTextError
 
 
@@ -52,10 +52,6 @@ class Fixed:
             return f"{before} as MaxText compiles it, not rewritten; 0 routed regions run per shard ({self.unchanged})"
         regions = "1 routed region now runs" if self.regions == 1 else f"{self.regions} routed regions now run"
         return f"{before} as MaxText compiles it, {human_bytes(self.temp_after)} fixed; {regions} per shard"
-
-
-def progress(message: str) -> None:
-    print(f"shardlint: {message}", file=sys.stderr, flush=True)
 
 
 @contextlib.contextmanager
@@ -154,7 +150,4 @@ def _fix(step, name: str, mesh, args: tuple, rules, options: Options, on_fixed: 
 
 def _shard_maps(jaxpr) -> int:
     """How many `shard_map` equations `jaxpr` holds, at every depth."""
-    from jax.extend.core import subjaxprs
-
-    return (sum(eqn.primitive.name == "shard_map" for eqn in jaxpr.eqns)
-            + sum(_shard_maps(sub) for sub in subjaxprs(jaxpr)))
+    return sum(eqn.primitive.name == "shard_map" for eqn in equations(jaxpr))
