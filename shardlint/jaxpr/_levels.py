@@ -26,10 +26,12 @@ from jax.extend.core import Literal, jaxprs_in_params
 
 from .. import _jax
 
-_CALLS = {"jit": "jaxpr", "pjit": "jaxpr", "scan": "jaxpr", "remat2": "jaxpr", "checkpoint": "jaxpr",
-          "eval_jaxpr": "call_jaxpr", "closed_call": "call_jaxpr"}
-_INLINED = {"custom_jvp_call": "call_jaxpr", "custom_vjp_call": "call_jaxpr",
-            "custom_vjp_call_jaxpr": "fun_jaxpr"}
+# The equations whose inner jaxpr a rewrite enters, and the parameter that holds it: calls
+# bound again with the body rewritten, and custom-derivative calls inlined (`bind_with`).
+CALLS = {"jit": "jaxpr", "pjit": "jaxpr", "scan": "jaxpr", "remat2": "jaxpr", "checkpoint": "jaxpr",
+         "eval_jaxpr": "call_jaxpr", "closed_call": "call_jaxpr"}
+INLINED = {"custom_jvp_call": "call_jaxpr", "custom_vjp_call": "call_jaxpr",
+           "custom_vjp_call_jaxpr": "fun_jaxpr"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,7 +49,7 @@ def sub_of(eqn) -> Sub | None:
     """The one inner jaxpr of an equation that shardlint rewrites inside, else None
     (`while` and `cond` bodies are not entered: their layers are not MoE layers)."""
     name = eqn.primitive.name
-    key = _CALLS.get(name) or _INLINED.get(name)
+    key = CALLS.get(name) or INLINED.get(name)
     if key is None or key not in eqn.params:
         return None
     inner = eqn.params[key]

@@ -12,7 +12,7 @@ JAX's private `source_info_util` calls it needs live in `shardlint._jax`.
 from __future__ import annotations
 
 from .. import _jax
-from ._levels import _CALLS, _INLINED, is_literal
+from ._levels import CALLS, INLINED, is_literal
 
 # Parameters that name a sharding of the global mesh, and ops that only annotate one.
 SHARDING_PARAMS = ("sharding", "out_sharding")
@@ -44,7 +44,7 @@ def bind_with(eqn, new_inner, invals: list) -> list:
     ClosedJaxpr with the same inputs and outputs, stacked values excepted)."""
     name = eqn.primitive.name
     with _jax.as_traced(eqn):
-        if name in _INLINED:
+        if name in INLINED:
             return replay(new_inner, invals)
         params = dict(eqn.params)
         if name in ("remat2", "checkpoint"):
@@ -52,6 +52,6 @@ def bind_with(eqn, new_inner, invals: list) -> list:
             params["jaxpr"] = jaxpr
             invals = consts + list(invals)
         else:
-            params[_CALLS[name]] = new_inner
+            params[CALLS[name]] = new_inner
         out = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(params))
     return list(out) if eqn.primitive.multiple_results else [out]
