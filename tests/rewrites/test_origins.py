@@ -6,7 +6,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from shardlint._jax import is_literal
+from shardlint.jaxpr import is_literal
 from shardlint.rewrites.trace._origins import from_configuration
 
 

@@ -14,7 +14,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import shardlint
-from shardlint import _jax
+from shardlint.jaxpr import equations
 from shardlint.rewrites import verify_same
 from shardlint.rewrites.trace._inline import inline_same_on_every_device
 from shardlint.jaxpr._replay import replay
@@ -23,7 +23,7 @@ from shardlint.rewrites._verify import random_like
 from support import rewrite_steps
 
 def _shard_maps(closed) -> int:
-    return sum(e.primitive.name == "shard_map" for e in _jax.equations(closed.jaxpr))
+    return sum(e.primitive.name == "shard_map" for e in equations(closed.jaxpr))
 
 
 def _routing_findings(analysis):
