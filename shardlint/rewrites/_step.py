@@ -27,6 +27,8 @@ class JittedStep(abc.ABC):
     # The context the step's Python is traced in, as `jax.jit` traces it (a mesh it needs):
     # the original step runs in it beside the rewritten one when they are compared.
     traced_in: Callable[[], ContextManager] = contextlib.nullcontext
+    # Routed regions (the jaxpr route) or MoE layers (the swap route) that now run per shard.
+    regions: int = 0
 
     @abc.abstractmethod
     def _build(self, args: tuple) -> Any:

@@ -77,7 +77,8 @@ class RewrittenStep(JittedStep):
                                    "no reshape folds them before a grouped matmul, and no routing op "
                                    "routing them to the experts is where the analysis found it lost")
         self.changed = True
-        self.notes.append(f"rewrote {plan.top.count()} routed region(s) to run per shard over "
+        self.regions = plan.top.count()
+        self.notes.append(f"rewrote {self.regions} routed region(s) to run per shard over "
                           f"{', '.join(axes.all)}")
         self.progress(self.notes[-1])
         return jitted_like(emit(plan, self.mesh), args, lambda: traces.out_tree, traces.jit_eqn,

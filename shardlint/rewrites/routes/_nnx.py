@@ -41,6 +41,10 @@ class NnxRewrittenStep(JittedStep):
     def traced_in(self):
         return self.inner.traced_in
 
+    @property
+    def regions(self):
+        return self.inner.regions
+
     def _build(self, args):
         return self.step
 

@@ -109,6 +109,7 @@ def swap_moe_layers(step: Callable, mesh, *, args=None, axes=None, progress=None
         check_swappable(cfg)
     kwargs = {"batch_axes": axes.batch, "seq_axes": axes.seq} if axes is not None else {}
     swapped = SwappedStep(step, mesh, **kwargs)
+    swapped.regions = len(configs)
     if progress:
         progress(f"swapping {len(configs)} RoutedMoE call(s) for ShardedRoutedMoE")
     return swapped
