@@ -211,9 +211,15 @@ def forward_loss(mesh: Mesh, cfg: DecoderConfig, params: Params, tokens_BS: jax.
     return cross_entropy(logits_BSV, targets_BS)
 
 
-def make_step(mesh: Mesh, cfg: DecoderConfig = DecoderConfig()):
+def make_step(mesh: Mesh, cfg: DecoderConfig = DecoderConfig(), **sizes: int):
     """`(step_fn, (params, tokens, targets))`: `step_fn` returns `(loss, grads)`; the
-    arguments are `jax.ShapeDtypeStruct`s carrying NamedShardings on `mesh`."""
+    arguments are `jax.ShapeDtypeStruct`s carrying NamedShardings on `mesh`. `sizes` change
+    fields of `cfg` (`--set seq=512`, `--grid layers=2,4`)."""
+    fields = {f.name for f in dataclasses.fields(DecoderConfig)}
+    unknown = sorted(set(sizes) - fields)
+    if unknown:
+        raise ValueError(f"DecoderConfig has no field {unknown[0]!r} (it has {', '.join(sorted(fields))})")
+    cfg = dataclasses.replace(cfg, **sizes)
     problems = _divisibility_problems(mesh, cfg)
     if problems:
         raise ValueError(f"DecoderConfig does not fit mesh {dict(mesh.shape)}:\n  - "
