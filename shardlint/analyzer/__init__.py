@@ -39,6 +39,7 @@ from .explain import ScopeNode as ScopeNode
 from .explain import Traffic as Traffic
 from .graph import build_graph as build_graph
 from .memory import fit_of as fit_of
+from .memory import hbm_gib as hbm_gib
 from .memory import helper_frames as helper_frames
 from .memory import memory_scaling as memory_scaling
 from .memory import MemoryScaling as MemoryScaling

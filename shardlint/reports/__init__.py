@@ -10,3 +10,11 @@ from ._text import write_json as write_json
 from ._html import REPORT_SCHEMA as REPORT_SCHEMA
 from ._html import render_html as render_html
 from ._html import write_html as write_html
+from ._plan import PLAN_SCHEMA as PLAN_SCHEMA
+from ._plan import Plan as Plan
+from ._plan import PlanPoint as PlanPoint
+from ._plan import PlanRow as PlanRow
+from ._plan import PlanSide as PlanSide
+from ._plan import Longest as Longest
+from ._plan import write_plan_html as write_plan_html
+from ._plan import write_plan_json as write_plan_json

@@ -45,14 +45,14 @@ _STATUS_ORDER = {"new": 0, "changed": 1, "gone": 2, "same": 3, "": 4}
 
 
 @functools.lru_cache(maxsize=1)
-def _environment() -> jinja2.Environment:
+def environment() -> jinja2.Environment:
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(_TEMPLATES)), autoescape=True,
                              undefined=jinja2.StrictUndefined, trim_blocks=True, lstrip_blocks=True)
     env.filters["bytes"] = human_bytes
     return env
 
 
-def _asset(name: str) -> Markup:
+def asset(name: str) -> Markup:
     """Our own CSS/JS, inlined verbatim (trusted: it ships in the package)."""
     return Markup((_TEMPLATES / name).read_text(encoding="utf-8"))
 
@@ -299,7 +299,7 @@ def render_html(before: Analysis, after: Analysis | None = None, *, sweep: dict[
            "after": after.to_json() if after else None,
            "sweep": sweep_summary(sweep) if sweep else None}
     figures = headline(before, after)
-    return _environment().get_template("report.html").render(
+    return environment().get_template("report.html").render(
         title=title, before=before, after=after, headline=figures, rewrite_note=rewrite_note,
         figures={h["name"]: h for h in figures},
         scopes=scope_tree(before), after_scopes=scope_tree(after) if after else None,
@@ -314,7 +314,7 @@ def render_html(before: Analysis, after: Analysis | None = None, *, sweep: dict[
         rows=rows, kinds=sorted({r["kind"] for r in rows}), diff=diff_summary(rows),
         sweep=sweep_view(sweep) if sweep and sweep["points"] else None,
         where=lambda s: source_text(s, root) if s else "", data=script_json(doc),
-        css=_asset("report.css"), js=_asset("report.js"))
+        css=asset("report.css"), js=asset("report.js"))
 
 
 def write_html(before: Analysis, after: Analysis | None = None, path: str = "shardlint-report.html",

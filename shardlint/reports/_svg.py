@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import re
+from typing import Callable
 
 import networkx as nx
 from markupsafe import Markup, escape
@@ -247,9 +248,7 @@ def memory_chart_svg(axis: str, series: dict[str, list[tuple[int, int | None]]],
     top = _nice_ceiling(max((b for pts in (*lines.values(), *ideals.values()) for _, b in pts),
                             default=1) * 1.08)
     frame = _Frame(values, top)
-    out = [f'<svg class="chart" xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {_CHART_W} {_CHART_H}" '
-           f'width="{_CHART_W}" height="{_CHART_H}" role="img" '
-           f'aria-label="{escape(metric)} against {escape(axis)}">', frame.axes(axis, metric)]
+    out = [_chart_open(metric, axis), frame.axes(f"{axis} (mesh axis size)", metric)]
     shared = len(names) == 2 and _same_line(ideals["before"], ideals["after"])
     ends = [frame.ideal(name, ideals[name], shared) for name in names
             if len(ideals[name]) > 1 and not (shared and name == "after")]
@@ -260,14 +259,44 @@ def memory_chart_svg(axis: str, series: dict[str, list[tuple[int, int | None]]],
     return Markup("".join(out))
 
 
+def longest_chart_svg(key: str, axis: str, series: dict[str, list[tuple[int, int | None]]]) -> Markup:
+    """A line chart of the longest `key` that fits against `axis` (a plan's grid key), one
+    line before the fix and one after."""
+    values = sorted({v for pts in series.values() for v, _ in pts})
+    lines = {n: [(v, y) for v, y in sorted(series[n]) if y] for n in ("before", "after") if n in series}
+    if not values or not any(lines.values()):
+        return Markup("")
+    top = _nice_ceiling(max(y for pts in lines.values() for _, y in pts) * 1.08)
+    frame = _Frame(values, top, fmt=_count)
+    out = [_chart_open(f"longest {key}", axis), frame.axes(axis, f"longest {key} that fits")]
+    ends = [frame.series(name, pts, axis) for name, pts in lines.items() if pts]
+    out += [svg for svg, _ in ends]
+    out.append(_end_labels([end for _, end in ends]))
+    out.append("</svg>")
+    return Markup("".join(out))
+
+
+def _count(n: float) -> str:
+    """A token count as an axis label: 32768 -> 32K."""
+    return f"{n / 1024:g}K" if n >= 1024 and n % 1024 == 0 else f"{n:.0f}"
+
+
+def _chart_open(metric: str, axis: str) -> str:
+    return (f'<svg class="chart" xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {_CHART_W} {_CHART_H}" '
+            f'width="{_CHART_W}" height="{_CHART_H}" role="img" '
+            f'aria-label="{escape(metric)} against {escape(axis)}">')
+
+
 _LABELS = {"before": "before", "after": "after rewrite"}
 
 
 class _Frame:
-    """A chart's plot area: where an axis value and a byte count land, and its axes drawn."""
+    """A chart's plot area: where an axis value and a y value land (`fmt` writes y values:
+    bytes by default), and its axes drawn."""
 
-    def __init__(self, values: list[int], top: float):
+    def __init__(self, values: list[int], top: float, fmt: Callable[[float], str] | None = None):
         self.values, self.top = values, top
+        self.fmt = fmt or _tick
         self.log_x = values[0] > 0 and values[-1] / values[0] >= 4
         self.width = _CHART_W - _M_LEFT - _M_RIGHT
         self.height = _CHART_H - _M_TOP - _M_BOTTOM
@@ -285,15 +314,15 @@ class _Frame:
     def points(self, pts) -> str:
         return " ".join(f"{self.x(v):.1f},{self.y(b):.1f}" for v, b in pts)
 
-    def axes(self, axis: str, metric: str) -> str:
-        """Grid lines with byte ticks, the axis values' tick marks, and both axis labels."""
+    def axes(self, x_label: str, metric: str) -> str:
+        """Grid lines with y ticks, the axis values' tick marks, and both axis labels."""
         out = []
         for i in range(5):
             b = self.top * i / 4
             y = self.y(b)
             out.append(f'<line class="grid" x1="{_M_LEFT}" x2="{_M_LEFT + self.width}" y1="{y:.1f}" '
                        f'y2="{y:.1f}"/><text class="tick" x="{_M_LEFT - 8}" y="{y + 4:.1f}" '
-                       f'text-anchor="end">{escape(_tick(b))}</text>')
+                       f'text-anchor="end">{escape(self.fmt(b))}</text>')
         bottom = _M_TOP + self.height
         for v in self.values:
             x = self.x(v)
@@ -301,7 +330,7 @@ class _Frame:
                        f'y2="{bottom + 5}"/><text class="tick" x="{x:.1f}" '
                        f'y="{bottom + 20}" text-anchor="middle">{v}</text>')
         out.append(f'<text class="axis-label" x="{_M_LEFT + self.width / 2}" y="{_CHART_H - 8}" '
-                   f'text-anchor="middle">{escape(axis)} (mesh axis size)</text>'
+                   f'text-anchor="middle">{escape(x_label)}</text>'
                    f'<text class="axis-label" transform="rotate(-90)" x="{-(_M_TOP + self.height / 2)}" '
                    f'y="14" text-anchor="middle">{escape(metric)}</text>')
         return "".join(out)
@@ -321,9 +350,12 @@ class _Frame:
             out.append(f'<circle class="point {name}" cx="{self.x(v):.1f}" cy="{self.y(b):.1f}" r="4.5" '
                        f'data-series="{name}" data-x="{v}" data-bytes="{int(b)}">'
                        f"<title>{escape(_LABELS[name])}: {escape(axis)}={v}, "
-                       f"{escape(human_bytes(b))}</title></circle>")
+                       f"{escape(self._value(b))}</title></circle>")
         (v, b) = pts[-1]
-        return "".join(out), (self.y(b), self.x(v), name, f"{_LABELS[name]} · {human_bytes(b)}")
+        return "".join(out), (self.y(b), self.x(v), name, f"{_LABELS[name]} · {self._value(b)}")
+
+    def _value(self, b) -> str:
+        return human_bytes(b) if self.fmt is _tick else self.fmt(b)
 
 
 def _end_labels(ends: list[tuple]) -> str:

@@ -2,6 +2,7 @@
 and whether the step fits a chip."""
 
 from ._fit import fit_of as fit_of
+from ._fit import hbm_gib as hbm_gib
 from ._frames import helper_frames as helper_frames
 from ._peak import peak_buffers as peak_buffers
 from ._peak import peak_lines as peak_lines
