@@ -93,6 +93,32 @@ def _parser() -> argparse.ArgumentParser:
                         "before and after, and the sweep's memory with the lines that hold it")
     _add_sweep(p)
     _add_topology(p)
+    p = sub.add_parser("plan", parents=[common], help="compile the step at every point of a grid, as "
+                       "written and fixed: which mesh, and how long a sequence, fits a device")
+    _add_target(p)
+    p.add_argument("--grid", action="append", metavar="KEY=v1,v2,...",
+                   help="the values of an axis of --mesh or an option of the target to try, "
+                        "e.g. --grid ici_context_parallelism=1,2,4,8 (repeatable: every "
+                        "combination is a point)")
+    p.add_argument("--longest", metavar="KEY=lo..hi",
+                   help="at each point, the longest value of KEY (a target option) that fits, "
+                        "before and after the fix: doubling from lo, then halving the gap to a "
+                        "multiple of 1024 (or lo, if smaller; KEY=lo..hi:step to say), e.g. "
+                        "--longest max_target_length=4096..262144")
+    _add_topology(p)
+    _add_rewrite_options(p)
+    p.add_argument("--jobs", type=int, default=1, metavar="N",
+                   help="compile N points at once, each in a process of its own (default 1; "
+                        "each compile of a large step takes its own memory)")
+    p.add_argument("--ray", metavar="ADDRESS",
+                   help="run each point as a task on the Ray cluster at ADDRESS ('auto': the "
+                        "one this machine belongs to); needs pip install 'shardlint[ray]'")
+    p.add_argument("--ray-cpus", type=float, default=1.0, metavar="N",
+                   help="CPUs each Ray task asks for (default 1)")
+    p.add_argument("--ray-memory-gib", type=float, metavar="N",
+                   help="memory each Ray task asks for, in GiB (default: none asked)")
+    p.add_argument("--json", metavar="FILE", help="write the plan (shardlint.plan/1)")
+    p.add_argument("--out", metavar="FILE", help="write the plan as an HTML page")
     p = sub.add_parser("demo", parents=[common], help="run the whole story on the built-in example: analyze, "
                                     "rewrite, analyze again, write a report")
     p.add_argument("--out", metavar="DIR", default="shardlint-demo",
@@ -169,10 +195,10 @@ def _negative_values_attached(argv: list[str]) -> list[str]:
 
 
 def _commands():
-    from .commands import analyze_command, check_command, demo_command, report_command
+    from .commands import analyze_command, check_command, demo_command, plan_command, report_command
 
     return {"analyze": analyze_command, "report": report_command, "check": check_command,
-            "demo": demo_command}
+            "demo": demo_command, "plan": plan_command}
 
 
 def main(argv: list[str] | None = None) -> int:

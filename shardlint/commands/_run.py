@@ -33,7 +33,7 @@ def _analyze(args, from_dump: bool) -> int:
         mesh, fn, step_args = load(args)
         if args.rewrite:   # nothing to rewrite: the step as it is, said in one progress line
             pair = analyze_pair(fn, step_args, mesh, rewrite=True, verify=_can_verify(args, True),
-                                progress=progress, **_rewrite_options(args, mesh))
+                                progress=progress, **rewrite_options(args, mesh))
             analysis = pair.after or pair.before
             title = args.target + (" (rewritten)" if pair.after is not None else "")
         else:
@@ -67,7 +67,7 @@ def _analyze_sweep(args) -> int:
     return 1 if (last["after"] or last["before"]).findings else 0
 
 
-def _rewrite_options(args, mesh) -> dict:
+def rewrite_options(args, mesh) -> dict:
     """The rewrite's `batch_axes=`/`seq_axes=`/`capacity=`/`params_argnums=` from the
     command line; the axes checked against `mesh` where there is one."""
     options = {"capacity": "per-shard"} if args.per_shard_capacity else {}
@@ -127,7 +127,7 @@ def _report(args) -> int:
     if plan is None or not _over_options(args, plan[0]):
         mesh, fn, step_args = load(args)
         pair = analyze_pair(fn, step_args, mesh, rewrite=rewrite, verify=_can_verify(args, rewrite),
-                            progress=progress, keep_refusal=True, **_rewrite_options(args, mesh))
+                            progress=progress, keep_refusal=True, **rewrite_options(args, mesh))
         if pair.note():
             progress(pair.note())
         if plan is not None:
@@ -171,7 +171,7 @@ def _sweep(args, plan, rewrite: bool, known=None) -> dict:
 
     key, values, build = plan
     return run_sweep(key, values, build, rewrite=rewrite, progress=progress, known=known,
-                     rewrite_options=_rewrite_options(args, None))
+                     rewrite_options=rewrite_options(args, None))
 
 
 def _report_fit(args, before, after) -> bool:

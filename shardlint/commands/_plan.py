@@ -1,0 +1,347 @@
+"""`shardlint plan`: which mesh, and how long a sequence, fits a device, with and without the fix.
+
+Every point of the grid (`--grid KEY=v1,v2,...`: an axis of `--mesh`, or a target option) is
+compiled as written and as fixed, in a process of its own (`_engine`: local processes, or
+Ray tasks), for the devices `--mesh`, `--devices` or `--topology` give. With `--longest
+KEY=lo..hi` each side of each point also searches the longest value of KEY that fits:
+doubling from `lo`, then halving the gap down to a multiple of the step (1024 by default, or
+`lo` where that is smaller; `lo..hi:step` to say); a compile the compiler refused for lack of
+memory does not fit. The search's rounds run every point's next probe at once.
+
+A point that cannot be compiled for another reason is a row that says why. The best row
+fits after the fix and, among those, is the longest (with `--longest`), then moves the
+fewest collective bytes per step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import json
+import re
+from typing import Any
+
+from .._errors import NothingToRewrite, RewriteError, UsageError, first_line
+from .._format import human_bytes, progress
+from ..reports import Longest, Plan, PlanPoint, PlanRow, PlanSide
+from ._engine import Engine, Failed
+
+SIDES = ("before", "after")
+BEST_RULE = "fits after the fix; then the longest that fits after it; then the fewest collective bytes per step"
+
+
+@dataclasses.dataclass(frozen=True)
+class PointSpec:
+    """What a worker process needs to compile one point: the command line's target and
+    devices, the point's options and mesh, and which sides to compile."""
+
+    target: str
+    mesh: str | None
+    devices: int | None
+    topology: str | None
+    options: tuple[str, ...]           # `--set` words, the point's values among them
+    values: tuple[tuple[str, Any], ...]
+    sides: tuple[str, ...]
+    hbm_gib: float | None
+    rewrite: dict                      # the rewrite's options (capacity, axes, params_argnums)
+
+
+def parse_grid(words: list[str] | None) -> dict[str, tuple]:
+    """`--grid KEY=v1,v2,...` words -> {KEY: values}, each value read as JSON where it
+    parses (as `--set` reads values), in the order given."""
+    grid: dict[str, tuple] = {}
+    for word in words or ():
+        key, sep, text = word.partition("=")
+        key = key.strip()
+        values = tuple(_value(v.strip()) for v in text.split(",") if v.strip())
+        if not sep or not key.isidentifier() or not values:
+            raise UsageError(f"--grid {word!r}: write KEY=v1,v2,..., e.g. --grid ici_context_parallelism=1,2,4,8")
+        if key in grid:
+            raise UsageError(f"--grid: {key!r} is given twice")
+        if len(set(map(str, values))) != len(values):
+            raise UsageError(f"--grid {word!r} repeats a value")
+        grid[key] = values
+    return grid
+
+
+def _value(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+def parse_longest(text: str | None) -> tuple[str, int, int, int] | None:
+    """`max_target_length=4096..262144` (or `...:step`) -> (key, lo, hi, step)."""
+    if not text:
+        return None
+    m = re.fullmatch(r"\s*([A-Za-z_]\w*)\s*=\s*(\d+)\s*\.\.\s*(\d+)\s*(?::\s*(\d+))?\s*", text)
+    if not m:
+        raise UsageError(f"--longest {text!r}: write KEY=lo..hi (or KEY=lo..hi:step), "
+                         "e.g. --longest max_target_length=4096..262144")
+    key, lo, hi = m.group(1), int(m.group(2)), int(m.group(3))
+    step = int(m.group(4)) if m.group(4) else min(1024, lo)
+    if not 0 < lo <= hi or step < 1:
+        raise UsageError(f"--longest {text!r}: needs 0 < lo <= hi and a step >= 1")
+    return key, lo, hi, step
+
+
+def next_probe(fits: dict[int, bool | None], lo: int, hi: int, step: int) -> int | None:
+    """The next value to compile in the search for the longest value in [lo, hi] that fits,
+    given what fit so far (`fits`: value -> fits; None: it could not be compiled, which ends
+    the search); None when the search is over."""
+    if lo not in fits:
+        return lo
+    if not fits[lo]:
+        return None
+    value = lo
+    while fits.get(value):                       # doubling
+        if value >= hi:
+            return None
+        value = min(2 * value, hi)
+        if value not in fits:
+            return value
+    if fits[value] is None:
+        return None
+    good = max(v for v, ok in fits.items() if ok and v < value)
+    bad = min(v for v, ok in fits.items() if ok is not None and not ok and v > good)
+    middle = (good + bad) // 2 // step * step    # halving the gap, on the step's multiples
+    return middle if middle > good and middle not in fits else None
+
+
+def longest_fitting(fits: dict[int, bool | None]) -> int | None:
+    return max((v for v, ok in fits.items() if ok), default=None)
+
+
+def evaluate(spec: PointSpec) -> PlanPoint:
+    """Compiles one point's sides; runs in a process of its own (`_engine`)."""
+    from ..analyzer import analyze, fit_of
+    from ..rewrites import rewrite
+    from ._load import load
+
+    args = argparse.Namespace(target=spec.target, mesh=spec.mesh, devices=spec.devices,
+                              topology=spec.topology, options=list(spec.options))
+    values = dict(spec.values)
+    mesh, fn, step_args = load(args)
+    params = spec.rewrite.get("params_argnums")
+    before = analyze(fn, *step_args, params_argnums=params)
+    sides = {"before": _side(before, fit_of(before, spec.hbm_gib))}
+    if "after" not in spec.sides:
+        return PlanPoint(values=values, **sides)
+    try:
+        import warnings
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", NothingToRewrite)
+            fixed = rewrite(fn, mesh, verify=False, args=step_args, analysis=before, **spec.rewrite)
+    except RewriteError as e:
+        return PlanPoint(values=values, **sides, note=f"the rewrite was refused: {first_line(e)}")
+    if fixed.changed is False:
+        return PlanPoint(values=values, **sides, after=sides["before"],
+                         note=fixed.notes[-1].replace("nothing to rewrite: ", "nothing to rewrite (")[:200] + ")")
+    after = analyze(fixed, *step_args, params_argnums=params)
+    return PlanPoint(values=values, **sides, after=_side(after, fit_of(after, spec.hbm_gib)),
+                     regions=fixed.regions)
+
+
+def _side(analysis, fit) -> PlanSide:
+    moved: dict[str, int] = {}
+    for c in analysis.collectives:
+        key = f"{c.kind} over {','.join(c.axes) or '-'}"
+        moved[key] = moved.get(key, 0) + c.step_bytes
+    memory = analysis.memory
+    return PlanSide(fits=fit.fits, need_bytes=fit.need_bytes, limit_bytes=fit.limit_bytes,
+                    argument_bytes=memory.argument_bytes, temp_bytes=memory.temp_bytes,
+                    peak_bytes=memory.peak_bytes, refused=fit.refused is not None,
+                    collective_bytes=dict(sorted(moved.items())))
+
+
+def run_plan(args, engine: Engine) -> Plan:
+    """The plan the command line asks for: every grid point, and with `--longest` its search."""
+    from ._run import rewrite_options
+
+    grid = parse_grid(args.grid)
+    longest = parse_longest(args.longest)
+    if not grid and not longest:
+        raise UsageError("plan: give at least one --grid KEY=v1,v2,... or --longest KEY=lo..hi")
+    if args.hbm_gib is None and not args.topology:
+        raise UsageError("plan: give --topology NAME (the chip's HBM is the limit) or --hbm-gib N")
+    if longest and longest[0] in grid:
+        raise UsageError(f"--longest {longest[0]} is also a --grid key: give it in one of them")
+    base = _base_options(args)
+    options = rewrite_options(args, None)
+    points = [dict(zip(grid, combo)) for combo in itertools.product(*grid.values())]
+    specs = [_spec(args, base, point, options) for point in points]
+    if longest is None:
+        found = engine.map(evaluate, [s(SIDES) for s in specs], [_label(p) for p in points])
+        rows = [PlanRow(grid=p, point=_point(p, r)) for p, r in zip(points, found)]
+    else:
+        rows = _search(engine, specs, points, longest)
+    best = best_row(rows)
+    return Plan(target=args.target, topology=args.topology, limit_bytes=_limit(args),
+                grid=grid, rows=tuple(rows), longest_key=longest[0] if longest else None,
+                longest_range=longest[1:] if longest else None, best=best, rule=BEST_RULE)
+
+
+def _base_options(args) -> list[str]:
+    from ._targets import parse_options
+
+    parse_options(args.options)   # says so where a word is not key=value
+    return list(args.options or [])
+
+
+def _spec(args, base: list[str], point: dict, rewrite: dict):
+    """A function of the sides (and a searched value) to the PointSpec of `point`."""
+    from ._targets import parse_mesh_spec
+
+    axes = parse_mesh_spec(args.mesh) if args.mesh else {}
+    mesh_values = {k: v for k, v in point.items() if k in axes}
+    taken = {w.partition("=")[0].strip() for w in base}
+    clash = [k for k in point if k in taken]
+    if clash:
+        raise UsageError(f"--grid {clash[0]}=... and --set {clash[0]}=...: give its values in --grid only")
+    mesh = ",".join(f"{k}={mesh_values.get(k, n)}" for k, n in axes.items()) if axes else None
+    words = base + [f"{k}={json.dumps(v) if not isinstance(v, str) else v}" for k, v in point.items()
+                    if k not in axes]
+
+    def make(sides, searched: tuple[str, Any] | None = None) -> PointSpec:
+        extra = [f"{searched[0]}={searched[1]}"] if searched else []
+        values = tuple(point.items()) + ((searched,) if searched else ())
+        return PointSpec(target=args.target, mesh=mesh, devices=args.devices, topology=args.topology,
+                         options=tuple(words + extra), values=values, sides=tuple(sides),
+                         hbm_gib=args.hbm_gib, rewrite=rewrite)
+
+    return make
+
+
+def _search(engine: Engine, specs, points: list[dict], longest) -> list[PlanRow]:
+    """Rounds of probes: each round compiles every unfinished side's next value at once."""
+    key, lo, hi, step = longest
+    fits = {(i, side): {} for i in range(len(points)) for side in SIDES}
+    tried: dict[int, list[PlanPoint]] = {i: [] for i in range(len(points))}
+    for round_number in itertools.count(1):
+        probes: dict[tuple[int, int], list[str]] = {}   # (point, value) -> sides to compile
+        for (i, side), known in fits.items():
+            value = next_probe(known, lo, hi, step)
+            if value is not None:
+                probes.setdefault((i, value), []).append(side)
+        if not probes:
+            break
+        order = list(probes)
+        if engine.progress:
+            engine.progress(f"longest {key}, round {round_number}: {len(order)} point(s) to compile")
+        found = engine.map(evaluate, [specs[i](tuple(probes[(i, v)]), (key, v)) for i, v in order],
+                           [_label({**points[i], key: v}, probes[(i, v)]) for i, v in order])
+        for (i, value), result in zip(order, found):
+            point = _point({**points[i], key: value}, result)
+            tried[i].append(point)
+            for side in probes[(i, value)]:
+                fits[(i, side)][value] = point.fits(side)
+    return [PlanRow(grid=p, longest=Longest(key=key, before=longest_fitting(fits[(i, "before")]),
+                                            after=longest_fitting(fits[(i, "after")]),
+                                            tried=tuple(sorted(tried[i], key=lambda t: t.values[key]))))
+            for i, p in enumerate(points)]
+
+
+def _point(values: dict, result) -> PlanPoint:
+    return PlanPoint(values=values, error=result.why) if isinstance(result, Failed) else result
+
+
+def _label(point: dict, sides=SIDES) -> str:
+    return " ".join(f"{k}={v}" for k, v in point.items()) + f" ({' and '.join(sides)})"
+
+
+def _limit(args) -> int:
+    from ..analyzer import hbm_gib
+
+    gib = args.hbm_gib or hbm_gib(args.topology) or 0
+    return int(gib * 2**30)
+
+
+def best_row(rows: list[PlanRow]) -> int | None:
+    """The row that fits after the fix, longest after it (with --longest), then the fewest
+    collective bytes; None where none fits."""
+    def score(row: PlanRow):
+        if row.longest is not None:
+            at = row.longest.at_longest()
+            if at is None:
+                return None
+            return (-row.longest.after, at.after.moved_bytes)
+        point = row.point
+        if point is None or point.after is None or not point.after.fits:
+            return None
+        return (0, point.after.moved_bytes)
+
+    scored = [(s, i) for i, row in enumerate(rows) for s in [score(row)] if s is not None]
+    return min(scored)[1] if scored else None
+
+
+def format_plan(plan: Plan) -> str:
+    """The plan as a table on stdout: one row per grid point, the best one marked."""
+    keys = list(plan.grid)
+    if plan.longest_key:
+        head = keys + [f"longest {plan.longest_key} before", "after", "x", "regions", "note"]
+    else:
+        head = keys + ["before", "after", "collectives before", "after", "regions", "note"]
+    lines = []
+    for i, row in enumerate(plan.rows):
+        cells = [str(row.grid[k]) for k in keys]
+        if row.longest is not None:
+            before, after = row.longest.before, row.longest.after
+            ratio = f"{after / before:.2f}" if before and after else "-"
+            regions = max((t.regions for t in row.longest.tried), default=0)
+            note = next((t.error or t.note for t in row.longest.tried if t.error or t.note), "")
+            cells += [_or_dash(before), _or_dash(after), ratio, str(regions), note]
+        else:
+            p = row.point
+            cells += [_fit(p.before), _fit(p.after), _moved(p.before), _moved(p.after), str(p.regions),
+                      p.error or p.note]
+        cells[0] = ("* " if plan.best == i else "  ") + cells[0]
+        lines.append(cells)
+    head[0] = "  " + head[0]
+    widths = [max(len(str(c)) for c in column) for column in zip(head, *[c[:-1] + [""] for c in lines])]
+    out = ["  ".join(str(c).ljust(w) for c, w in zip(head, widths)).rstrip()]
+    out += ["  ".join(str(c).ljust(w) for c, w in zip(cells, widths)).rstrip() for cells in lines]
+    limit = human_bytes(plan.limit_bytes)
+    where = f"{plan.topology} HBM per chip" if plan.topology and plan.limit_bytes else "--hbm-gib"
+    out.append("")
+    out.append(f"limit {limit} per device ({where}); * the best row: {plan.rule}" if plan.best is not None
+               else f"limit {limit} per device ({where}); no row fits after the fix")
+    return "\n".join(out)
+
+
+def _or_dash(value) -> str:
+    return "-" if value is None else str(value)
+
+
+def _fit(side: PlanSide | None) -> str:
+    if side is None:
+        return "-"
+    verdict = "fits" if side.fits else ("refused" if side.refused else "too big")
+    return f"{verdict} {human_bytes(side.need_bytes)}"
+
+
+def _moved(side: PlanSide | None) -> str:
+    return "-" if side is None else human_bytes(side.moved_bytes)
+
+
+def plan_command(args) -> int:
+    from ..reports import write_plan_json
+
+    if args.jobs < 1:
+        raise UsageError(f"--jobs {args.jobs}: give 1 or more")
+    engine = Engine(jobs=args.jobs, ray=args.ray, cpus=args.ray_cpus, memory_gib=args.ray_memory_gib,
+                    progress=progress)
+    plan = run_plan(args, engine)
+    print(format_plan(plan))
+    if args.json:
+        write_plan_json(plan, args.json)
+        progress(f"wrote {args.json}")
+    if args.out:
+        from ..reports import write_plan_html
+
+        write_plan_html(plan, args.out)
+        progress(f"wrote {args.out}")
+    return 0 if plan.best is not None else 1
+

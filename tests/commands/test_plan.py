@@ -1,0 +1,157 @@
+"""`shardlint plan`: the grid and search words, the search for the longest value that fits,
+the engine that runs points in processes of their own, and the command on the built-in
+example (simulated CPU devices; a Ray cluster this test starts on loopback, `slow`)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from shardlint._errors import UsageError
+from shardlint.commands._engine import Engine, Failed
+from shardlint.commands._plan import longest_fitting, next_probe, parse_grid, parse_longest
+from support import plan_workers
+from support.processes import user_env
+
+
+def test_grid_words_are_read_as_set_values_are():
+    assert parse_grid(["context=1,2,4", "decoder_block=mixtral,llama2"]) == {
+        "context": (1, 2, 4), "decoder_block": ("mixtral", "llama2")}
+
+
+@pytest.mark.parametrize("words, says", [
+    (["context"], "write KEY=v1,v2"), (["context=1,2", "context=4"], "given twice"),
+    (["context=1,1"], "repeats a value"), (["1x=2"], "write KEY=v1,v2")])
+def test_a_grid_word_that_cannot_be_read_says_how_to_write_it(words, says):
+    with pytest.raises(UsageError, match=says):
+        parse_grid(words)
+
+
+def test_longest_words():
+    assert parse_longest("max_target_length=4096..262144") == ("max_target_length", 4096, 262144, 1024)
+    assert parse_longest("seq=64..1024") == ("seq", 64, 1024, 64)
+    assert parse_longest("seq=64..1024:32") == ("seq", 64, 1024, 32)
+    for bad in ("seq=64", "seq=128..64", "seq=0..64"):
+        with pytest.raises(UsageError):
+            parse_longest(bad)
+
+
+def _search(limit, lo, hi, step, broken=None):
+    """The search against a step that fits up to `limit` (and cannot be compiled at
+    `broken`): the longest value found and the values compiled, in order."""
+    fits: dict = {}
+    while (value := next_probe(fits, lo, hi, step)) is not None:
+        fits[value] = None if value == broken else value <= limit
+    return longest_fitting(fits), list(fits)
+
+
+@pytest.mark.parametrize("limit", [4096, 5000, 36_999, 131_072, 200_000, 262_144, 10**6])
+def test_the_search_finds_the_longest_multiple_of_the_step_that_fits(limit):
+    found, tried = _search(limit, 4096, 262_144, 1024)
+    assert found == min(limit, 262_144) // 1024 * 1024
+    assert len(tried) <= 7 + 8, tried        # doubling up to 64x, then halving a gap of <= 128 steps
+
+
+def test_the_search_says_none_where_the_first_value_does_not_fit_and_stops_at_an_error():
+    assert _search(1000, 4096, 262_144, 1024) == (None, [4096])
+    found, tried = _search(10**6, 4096, 262_144, 1024, broken=16384)
+    assert (found, tried) == (8192, [4096, 8192, 16384])
+
+
+def test_the_engine_runs_each_point_in_a_process_of_its_own_in_order():
+    lines = []
+    found = Engine(jobs=2, progress=lines.append).map(plan_workers.pid_and_spec, ["a", "b", "c"])
+    assert [spec for _, spec, _ in found] == ["a", "b", "c"]
+    pids = {pid for pid, _, _ in found}
+    assert os.getpid() not in pids and len(pids) == 3
+    assert {allowed for _, _, allowed in found} == {"1"}   # libtpu may load in each
+    assert len(lines) == 3 and lines[-1].startswith("[3/3] ")
+
+
+def test_a_point_that_raises_or_whose_process_dies_fails_alone():
+    engine = Engine(jobs=2)
+    raised, = engine.map(plan_workers.raises, ["p"])
+    assert raised == Failed("ValueError: no point at p")
+    died, fine = engine.map(plan_workers.dies, ["x"]) + engine.map(plan_workers.pid_and_spec, ["y"])
+    assert isinstance(died, Failed) and "ended with code 9" in died.why
+    assert fine[1] == "y"
+
+
+def _plan(tmp_path, *words, check=True):
+    done = subprocess.run([sys.executable, "-m", "shardlint", "plan", "shardlint.examples.decoder:make_step",
+                           "--mesh", "data=2,context=4", "--set", "layers=1", *words],
+                          cwd=tmp_path, env=user_env(), capture_output=True, text=True, timeout=900)
+    if check:
+        assert done.returncode == 0, done.stderr[-3000:]
+    return done
+
+
+# Limits of the one-layer example decoder at seq 64 (8 simulated CPU devices, JAX 0.10.2):
+# before the fix 3.93 / 3.74 MiB at context 2 / 4, after 1.46 / 0.84 MiB; twice the sequence
+# needs about twice the memory before, and fits 5 MiB after.
+LIMIT = ["--hbm-gib", "0.0049"]
+
+
+@pytest.fixture(scope="module")
+def searched(tmp_path_factory):
+    tmp_path = tmp_path_factory.mktemp("plan")
+    done = _plan(tmp_path, "--grid", "context=2,4", "--longest", "seq=64..128:64", *LIMIT,
+                 "--jobs", "2", "--json", "plan.json", "--out", "plan.html")
+    return done, json.loads((tmp_path / "plan.json").read_text()), (tmp_path / "plan.html").read_text()
+
+
+def test_the_plan_finds_the_longest_sequence_before_and_after_the_fix(searched):
+    done, doc, _ = searched
+    assert doc["schema"] == "shardlint.plan/1"
+    assert doc["grid"] == {"context": [2, 4]} and doc["longest"] == {"key": "seq", "lo": 64, "hi": 128, "step": 64}
+    rows = {row["grid"]["context"]: row["longest"] for row in doc["rows"]}
+    for context, row in rows.items():
+        assert (row["before"], row["after"]) == (64, 128), context
+        at_128 = next(t for t in row["tried"] if t["values"]["seq"] == 128)
+        assert not at_128["before"]["fits"] and at_128["after"]["fits"]
+        assert at_128["after"]["need_bytes"] < at_128["before"]["need_bytes"]
+        assert at_128["regions"] >= 1
+    assert doc["best"]["row"] in (0, 1) and "fits after the fix" in doc["best"]["rule"]
+    table = done.stdout.splitlines()
+    assert table[0].split()[:3] == ["context", "longest", "seq"]
+    assert sum(line.startswith("* ") for line in table) == 1
+    assert "[1/2]" in done.stderr and "left" in done.stderr
+
+
+def test_the_plan_page_has_the_table_and_the_chart(searched):
+    _, doc, page = searched
+    assert page.count('<tr class="') == len(doc["rows"]) and 'data-best="1"' in page
+    assert '<svg class="chart"' in page and "longest seq against context" in page
+
+
+@pytest.mark.parametrize("words, says", [
+    ([], "give at least one --grid"), (["--grid", "context=2"], "--topology NAME"),
+    (["--grid", "layers=1,2", "--hbm-gib", "1"], "--grid layers=... and --set layers=...")])
+def test_a_plan_the_command_line_cannot_run_is_one_line(tmp_path, words, says):
+    done = _plan(tmp_path, *words, check=False)
+    assert done.returncode == 2 and says in done.stderr and "Traceback" not in done.stderr
+
+
+@pytest.mark.slow
+def test_a_ray_cluster_gives_the_same_table_as_local_processes(tmp_path):
+    pytest.importorskip("ray", reason="pip install 'shardlint[ray]'")
+    ray = os.path.join(os.path.dirname(sys.executable), "ray")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = user_env(RAY_USAGE_STATS_ENABLED="0")
+    subprocess.run([ray, "start", "--head", f"--port={port}", "--num-cpus=2", "--include-dashboard=false",
+                    "--node-ip-address=127.0.0.1"], env=env, check=True, capture_output=True, timeout=300)
+    try:
+        words = ["--grid", "context=2,4", "--hbm-gib", "0.05"]
+        _plan(tmp_path, *words, "--ray", f"127.0.0.1:{port}", "--json", "ray.json")
+        _plan(tmp_path, *words, "--jobs", "2", "--json", "local.json")
+    finally:
+        subprocess.run([ray, "stop", "--force"], env=env, capture_output=True, timeout=300)
+    on_ray, local = (json.loads((tmp_path / f).read_text()) for f in ("ray.json", "local.json"))
+    assert on_ray == local and len(local["rows"]) == 2
