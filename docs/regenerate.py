@@ -256,6 +256,17 @@ def maxtext_real_size(*options: str) -> str:
     return fenced("\n".join([*table, f"({minutes:.0f} minutes for the run, one point after another)"]))
 
 
+PLAN_EXAMPLE = ("plan", "shardlint.examples.decoder:make_step", "--mesh", MESH, "--set", "layers=1",
+                "--grid", "context=1,2,4", "--longest", "seq=64..1024:64", "--hbm-gib", "0.008", "--jobs", "2")
+
+
+def plan_example() -> str:
+    """`shardlint plan` on the example decoder: the longest sequence that fits 8 MiB per
+    device, before and after the fix, as the context degree grows (about 3 minutes)."""
+    out, _, _ = shardlint(*PLAN_EXAMPLE)
+    return fenced(f"$ shardlint {' '.join(PLAN_EXAMPLE)}\n{out}")
+
+
 BLOCKS: dict[str, Block] = {
     "demo": Block(demo),
     "model-findings": Block(model_findings),
@@ -269,6 +280,7 @@ BLOCKS: dict[str, Block] = {
     "api": Block(api),
     "schemas": Block(schemas),
     "rewrite-reach": Block(rewrite_reach),
+    "plan-example": Block(plan_example),
     "maxtext-moe": Block(maxtext_moe, needs="maxtext"),
     "maxtext-findings": Block(maxtext_findings, needs="maxtext"),
     "maxtext-rewritten": Block(maxtext_rewritten, needs="maxtext"),

@@ -235,6 +235,9 @@ def _documents() -> list[tuple[str, str, list[dict]]]:
         (json.loads(gate.render(example(gate.CheckResult), "json"))["schema"],
          "`check --format json`", [json.loads(gate.render(example(gate.CheckResult), "json"))]),
         (gate.SCHEMA, "`check --update` (the baseline file)", [json.loads(gate.dumps(example(gate.Baseline)))]),
+        (reports.PLAN_SCHEMA, "`plan --json`", [_as_json(plan.to_json()) for plan in (
+            example(reports.Plan),
+            dataclasses.replace(example(reports.Plan), longest_key=None, longest_range=None, best=None))]),
     ]
 
 
