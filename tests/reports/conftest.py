@@ -15,10 +15,10 @@ from html.parser import HTMLParser
 import pytest
 
 from shardlint import analyze
-from shardlint.analyzer import Analysis, Collective, Source
 from shardlint.examples import steps
 
 from support import build_mesh
+from support.synthetic import many_collectives
 
 MESH = {"data": 2, "context": 4}
 SWEEP_VALUES = (1, 2, 4)
@@ -49,32 +49,11 @@ def sweep(pair):
     return {"axis": "context", "points": points}
 
 
-KINDS = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all")
-
-
-def _synthetic(base: Analysis, layers: int = 48, per_layer: int = 104, drop: int = 0) -> Analysis:
-    collectives = []
-    for layer in range(layers):
-        for site in range(per_layer):
-            if drop and site % drop == 0:
-                continue
-            unique = site < 4  # a few collectives whose shape depends on the layer
-            collectives.append(Collective(
-                id=f"{KINDS[site % 4]}.{layer * per_layer + site}", kind=KINDS[site % 4],
-                axes=("data", "context")[: 1 + site % 2], bytes=4096 * (1 + site % 13),
-                result_bytes=8192 * (1 + site % 13),
-                shape=f"bf16[{8 + (layer if unique else 0)},{1024 + site}]",
-                op_path=f"jit(train_step)/transpose(jvp(decoder))/layer/mlp_{site}/dot_general",
-                source=Source("/srv/project/model/decoder.py", 200 + site, f"block_{site % 17}"),
-                is_async=site % 3 == 0, in_loop=False))
-    return dataclasses.replace(base, collectives=tuple(collectives))
-
-
 @pytest.fixture(scope="session")
 def synthetic():
     """An unrolled 48-layer model's collectives: ~100 per layer from the same code (one
     collective key, so one row with a count) plus a few whose shape depends on the layer."""
-    return _synthetic
+    return many_collectives
 
 
 # ------------------------------------------------------------------ reading the page

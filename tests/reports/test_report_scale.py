@@ -1,27 +1,26 @@
-"""A step with thousands of collectives still renders fast and small.
+"""A step with thousands of collectives still renders small and grouped.
 
 The synthetic program (conftest's `synthetic`) is what an unrolled 48-layer model looks
-like to the analyzer: ~5000 collectives that group into a few hundred rows.
+like to the analyzer: ~5000 collectives that group into a few hundred rows. How long the
+render takes is a benchmark's (benchmarks/report_render.py: median CPU seconds), not a
+bound here, where a busy machine's seconds fail it (issue 53): the work is bounded by the
+rows the page holds, one per collective key.
 """
 
 from __future__ import annotations
 
 import collections
-import time
 
 from shardlint.gate import collective_key
 from shardlint.reports import render_html
 
 
-def test_five_thousand_collectives_render_in_under_2s_and_5mb(pair, parse, synthetic):
+def test_five_thousand_collectives_render_grouped_in_under_5mb(pair, parse, synthetic):
     before = synthetic(pair[0])
     after = synthetic(pair[1], drop=5)
     assert len(before.collectives) >= 4900
-    start = time.process_time()  # CPU time: other processes share these cores
     text = render_html(before, after, title="synthetic", root="/srv/project")
-    elapsed = time.process_time() - start
     size = len(text.encode("utf-8"))
-    assert elapsed < 2.0, f"render took {elapsed:.2f}s"
     assert size < 5 * 1024 * 1024, f"page is {size / 2**20:.2f} MiB"
 
     page = parse(text)
