@@ -13,8 +13,9 @@ code 130, whatever is running.
 
 What a run registers (`removed_on_interrupt`): the temporary folder a compile dumps into,
 the temporary file a write goes through, the outputs a command creates (files, and folders
-it makes for them, removed only when empty). A leaf module: it imports nothing of
-shardlint's.
+it makes for them, removed only when empty), and the processes a plan's points run in
+(`ended_on_interrupt`: killed, so that no compile goes on after the command). A leaf module:
+it imports nothing of shardlint's.
 """
 
 from __future__ import annotations
@@ -29,6 +30,18 @@ INTERRUPTED = 130   # 128 + SIGINT, as a shell reports a command Ctrl-C stopped
 
 # path -> how to remove it: "file" (unlink), "folder" (rmdir, only if empty), "tree" (rmtree)
 _REGISTERED: dict[str, str] = {}
+# processes to kill on Ctrl-C (their ids)
+_PROCESSES: set[int] = set()
+
+
+@contextlib.contextmanager
+def ended_on_interrupt(pid: int):
+    """The process `pid` is killed if the run is interrupted while the block runs."""
+    _PROCESSES.add(pid)
+    try:
+        yield pid
+    finally:
+        _PROCESSES.discard(pid)
 
 
 @contextlib.contextmanager
@@ -60,7 +73,12 @@ def forget_all() -> None:
 
 
 def remove_registered() -> None:
-    """Removes what is registered, the latest first (files before the folders made for them)."""
+    """Kills the registered processes, then removes what is registered, the latest first
+    (files before the folders made for them)."""
+    for pid in list(_PROCESSES):
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+    _PROCESSES.clear()
     for path, kind in reversed(list(_REGISTERED.items())):
         with contextlib.suppress(OSError):
             if kind == "tree":

@@ -11,20 +11,25 @@ the order of the points, the same for the same points. libtpu lets a second proc
 only with `ALLOW_MULTIPLE_LIBTPU_LOAD=1`: every point runs with it.
 
 A progress line per finished point says how many are done, what ran, and an estimate of
-what is left. Ctrl-C stops what runs and starts nothing more (KeyboardInterrupt reaches the
-caller, which has written nothing yet).
+what is left. Ctrl-C stops what runs and starts nothing more: on the command line the
+process ends at once and kills the points' processes (`shardlint._interrupt`); in a library
+call, KeyboardInterrupt reaches the caller after they are terminated. Nothing is written.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import multiprocessing
 import os
+import signal
 import statistics
 import time
 import traceback
 from multiprocessing.connection import wait
 from typing import Any, Callable, Sequence
+
+from .._interrupt import ended_on_interrupt
 
 # Every point: libtpu refuses to load in a second process without it (measured: libtpu
 # 0.0.42 and 0.0.50 on one machine, two compiles at once).
@@ -85,6 +90,9 @@ def _minutes(seconds: float) -> str:
 
 
 def _child(conn, worker, spec) -> None:
+    # Ctrl-C is the parent's to handle: it ends its points (`_interrupt`), and a point that
+    # took the signal itself would only print a traceback on its way out.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     os.environ.update(POINT_ENV)
     try:
         result = worker(spec)
@@ -100,6 +108,7 @@ def _locally(jobs: int, worker, specs: list, labels: list[str], clock: _Clock) -
     results: list = [None] * len(specs)
     waiting = list(range(len(specs)))
     running: dict[int, tuple[Any, Any, float]] = {}   # index -> (process, reader, start)
+    ended = contextlib.ExitStack()
     try:
         while waiting or running:
             while waiting and len(running) < max(1, jobs):
@@ -108,6 +117,7 @@ def _locally(jobs: int, worker, specs: list, labels: list[str], clock: _Clock) -
                 process = context.Process(target=_child, args=(writer, worker, specs[i]), daemon=True)
                 process.start()
                 writer.close()
+                ended.enter_context(ended_on_interrupt(process.pid))
                 running[i] = (process, reader, time.monotonic())
             ready = wait([r for _, r, _ in running.values()])
             for i in [i for i, (_, r, _) in running.items() if r in ready]:
@@ -124,6 +134,7 @@ def _locally(jobs: int, worker, specs: list, labels: list[str], clock: _Clock) -
         for process, _, _ in running.values():
             process.terminate()
             process.join()
+        ended.close()
     return results
 
 

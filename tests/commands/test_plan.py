@@ -155,3 +155,47 @@ def test_a_ray_cluster_gives_the_same_table_as_local_processes(tmp_path):
         subprocess.run([ray, "stop", "--force"], env=env, capture_output=True, timeout=300)
     on_ray, local = (json.loads((tmp_path / f).read_text()) for f in ("ray.json", "local.json"))
     assert on_ray == local and len(local["rows"]) == 2
+
+
+SLOW_TARGET = '''import os
+import time
+
+
+def make_step(mesh):
+    with open("pids", "a") as fh:
+        fh.write(f"{os.getpid()}\\n")
+    time.sleep(600)
+'''
+
+
+def _ended(pid: int) -> bool:
+    """Gone, or a zombie waiting for its new parent to reap it."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def test_ctrl_c_ends_the_plan_and_the_processes_of_its_points(tmp_path):
+    import signal
+    import time
+
+    (tmp_path / "slow.py").write_text(SLOW_TARGET)
+    plan = subprocess.Popen([sys.executable, "-m", "shardlint", "plan", "slow.py:make_step", "--mesh", "data=2",
+                             "--grid", "data=1,2", "--hbm-gib", "1", "--jobs", "2", "--json", "plan.json"],
+                            cwd=tmp_path, env=user_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    pids_file, deadline = tmp_path / "pids", time.monotonic() + 240
+    while not (pids_file.exists() and len(pids_file.read_text().split()) == 2) and time.monotonic() < deadline:
+        assert plan.poll() is None, plan.communicate()[1][-2000:]
+        time.sleep(0.2)
+    pids = [int(p) for p in pids_file.read_text().split()]
+    assert len(pids) == 2
+    plan.send_signal(signal.SIGINT)    # to the command alone, not its process group
+    _, err = plan.communicate(timeout=60)
+    assert plan.returncode == 130 and "shardlint: interrupted" in err
+    assert not (tmp_path / "plan.json").exists()
+    deadline = time.monotonic() + 30
+    while not all(_ended(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert all(_ended(pid) for pid in pids), pids
