@@ -22,9 +22,9 @@ import json
 import re
 from typing import Any
 
-from .._errors import NothingToRewrite, RewriteError, UsageError, first_line
-from .._format import human_bytes, progress
-from ..reports import Longest, Plan, PlanPoint, PlanRow, PlanSide
+from .._errors import UsageError, first_line
+from .._format import progress
+from ..reports import Longest, Plan, PlanPoint, PlanRow, PlanSide, format_plan
 from ._engine import Engine, Failed
 
 SIDES = ("before", "after")
@@ -115,34 +115,26 @@ def longest_fitting(fits: dict[int, bool | None]) -> int | None:
 
 
 def evaluate(spec: PointSpec) -> PlanPoint:
-    """Compiles one point's sides; runs in a process of its own (`_engine`)."""
-    from ..analyzer import analyze, fit_of
-    from ..rewrites import rewrite
+    """Compiles one point's sides; runs in a process of its own (`_engine`). The after side
+    needs the before side's analysis (it says what to rewrite), so both are compiled for it."""
+    from ..analyzer import fit_of
     from ._load import load
+    from ._sweep import analyze_pair
 
     args = argparse.Namespace(target=spec.target, mesh=spec.mesh, devices=spec.devices,
                               topology=spec.topology, options=list(spec.options))
-    values = dict(spec.values)
     mesh, fn, step_args = load(args)
-    params = spec.rewrite.get("params_argnums")
-    before = analyze(fn, *step_args, params_argnums=params)
-    sides = {"before": _side(before, fit_of(before, spec.hbm_gib))}
-    if "after" not in spec.sides:
-        return PlanPoint(values=values, **sides)
-    try:
-        import warnings
-
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", NothingToRewrite)
-            fixed = rewrite(fn, mesh, verify=False, args=step_args, analysis=before, **spec.rewrite)
-    except RewriteError as e:
-        return PlanPoint(values=values, **sides, note=f"the rewrite was refused: {first_line(e)}")
-    if fixed.changed is False:
-        return PlanPoint(values=values, **sides, after=sides["before"],
-                         note=fixed.notes[-1].replace("nothing to rewrite: ", "nothing to rewrite (")[:200] + ")")
-    after = analyze(fixed, *step_args, params_argnums=params)
-    return PlanPoint(values=values, **sides, after=_side(after, fit_of(after, spec.hbm_gib)),
-                     regions=fixed.regions)
+    pair = analyze_pair(fn, step_args, mesh, rewrite="after" in spec.sides, verify=False,
+                        keep_refusal=True, **spec.rewrite)
+    before = _side(pair.before, fit_of(pair.before, spec.hbm_gib))
+    if pair.refused:
+        return PlanPoint(values=dict(spec.values), before=before,
+                         note=f"the rewrite was refused: {first_line(pair.refused)}")
+    if pair.unchanged:
+        return PlanPoint(values=dict(spec.values), before=before, after=before,
+                         note=f"nothing to rewrite ({pair.unchanged})")
+    after = None if pair.after is None else _side(pair.after, fit_of(pair.after, spec.hbm_gib))
+    return PlanPoint(values=dict(spec.values), before=before, after=after, regions=pair.regions)
 
 
 def _side(analysis, fit) -> PlanSide:
@@ -160,6 +152,7 @@ def _side(analysis, fit) -> PlanSide:
 def run_plan(args, engine: Engine) -> Plan:
     """The plan the command line asks for: every grid point, and with `--longest` its search."""
     from ._run import rewrite_options
+    from ._targets import parse_mesh_spec, parse_options
 
     grid = parse_grid(args.grid)
     longest = parse_longest(args.longest)
@@ -169,10 +162,14 @@ def run_plan(args, engine: Engine) -> Plan:
         raise UsageError("plan: give --topology NAME (the chip's HBM is the limit) or --hbm-gib N")
     if longest and longest[0] in grid:
         raise UsageError(f"--longest {longest[0]} is also a --grid key: give it in one of them")
-    base = _base_options(args)
+    given = parse_options(args.options)   # says so where a word is not key=value
+    clash = [k for k in grid if k in given]
+    if clash:
+        raise UsageError(f"--grid {clash[0]}=... and --set {clash[0]}=...: give its values in --grid only")
+    axes = parse_mesh_spec(args.mesh) if args.mesh else {}
     options = rewrite_options(args, None)
     points = [dict(zip(grid, combo)) for combo in itertools.product(*grid.values())]
-    specs = [_spec(args, base, point, options) for point in points]
+    specs = [_spec(args, axes, point, options) for point in points]
     if longest is None:
         found = engine.map(evaluate, [s(SIDES) for s in specs], [_label(p) for p in points])
         rows = [PlanRow(grid=p, point=_point(p, r)) for p, r in zip(points, found)]
@@ -184,26 +181,12 @@ def run_plan(args, engine: Engine) -> Plan:
                 longest_range=longest[1:] if longest else None, best=best, rule=BEST_RULE)
 
 
-def _base_options(args) -> list[str]:
-    from ._targets import parse_options
-
-    parse_options(args.options)   # says so where a word is not key=value
-    return list(args.options or [])
-
-
-def _spec(args, base: list[str], point: dict, rewrite: dict):
-    """A function of the sides (and a searched value) to the PointSpec of `point`."""
-    from ._targets import parse_mesh_spec
-
-    axes = parse_mesh_spec(args.mesh) if args.mesh else {}
-    mesh_values = {k: v for k, v in point.items() if k in axes}
-    taken = {w.partition("=")[0].strip() for w in base}
-    clash = [k for k in point if k in taken]
-    if clash:
-        raise UsageError(f"--grid {clash[0]}=... and --set {clash[0]}=...: give its values in --grid only")
-    mesh = ",".join(f"{k}={mesh_values.get(k, n)}" for k, n in axes.items()) if axes else None
-    words = base + [f"{k}={json.dumps(v) if not isinstance(v, str) else v}" for k, v in point.items()
-                    if k not in axes]
+def _spec(args, axes: dict[str, int], point: dict, rewrite: dict):
+    """A function of the sides (and a searched value) to the PointSpec of `point`: its
+    `--mesh` axes in the mesh, its other keys beside the `--set` words."""
+    mesh = ",".join(f"{k}={point.get(k, n)}" for k, n in axes.items()) if axes else None
+    words = list(args.options or []) + [f"{k}={v if isinstance(v, str) else json.dumps(v)}"
+                                        for k, v in point.items() if k not in axes]
 
     def make(sides, searched: tuple[str, Any] | None = None) -> PointSpec:
         extra = [f"{searched[0]}={searched[1]}"] if searched else []
@@ -275,55 +258,6 @@ def best_row(rows: list[PlanRow]) -> int | None:
 
     scored = [(s, i) for i, row in enumerate(rows) for s in [score(row)] if s is not None]
     return min(scored)[1] if scored else None
-
-
-def format_plan(plan: Plan) -> str:
-    """The plan as a table on stdout: one row per grid point, the best one marked."""
-    keys = list(plan.grid)
-    if plan.longest_key:
-        head = keys + [f"longest {plan.longest_key} before", "after", "x", "regions", "note"]
-    else:
-        head = keys + ["before", "after", "collectives before", "after", "regions", "note"]
-    lines = []
-    for i, row in enumerate(plan.rows):
-        cells = [str(row.grid[k]) for k in keys]
-        if row.longest is not None:
-            before, after = row.longest.before, row.longest.after
-            ratio = f"{after / before:.2f}" if before and after else "-"
-            regions = max((t.regions for t in row.longest.tried), default=0)
-            note = next((t.error or t.note for t in row.longest.tried if t.error or t.note), "")
-            cells += [_or_dash(before), _or_dash(after), ratio, str(regions), note]
-        else:
-            p = row.point
-            cells += [_fit(p.before), _fit(p.after), _moved(p.before), _moved(p.after), str(p.regions),
-                      p.error or p.note]
-        cells[0] = ("* " if plan.best == i else "  ") + cells[0]
-        lines.append(cells)
-    head[0] = "  " + head[0]
-    widths = [max(len(str(c)) for c in column) for column in zip(head, *[c[:-1] + [""] for c in lines])]
-    out = ["  ".join(str(c).ljust(w) for c, w in zip(head, widths)).rstrip()]
-    out += ["  ".join(str(c).ljust(w) for c, w in zip(cells, widths)).rstrip() for cells in lines]
-    limit = human_bytes(plan.limit_bytes)
-    where = f"{plan.topology} HBM per chip" if plan.topology and plan.limit_bytes else "--hbm-gib"
-    out.append("")
-    out.append(f"limit {limit} per device ({where}); * the best row: {plan.rule}" if plan.best is not None
-               else f"limit {limit} per device ({where}); no row fits after the fix")
-    return "\n".join(out)
-
-
-def _or_dash(value) -> str:
-    return "-" if value is None else str(value)
-
-
-def _fit(side: PlanSide | None) -> str:
-    if side is None:
-        return "-"
-    verdict = "fits" if side.fits else ("refused" if side.refused else "too big")
-    return f"{verdict} {human_bytes(side.need_bytes)}"
-
-
-def _moved(side: PlanSide | None) -> str:
-    return "-" if side is None else human_bytes(side.moved_bytes)
 
 
 def plan_command(args) -> int:

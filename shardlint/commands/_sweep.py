@@ -70,6 +70,7 @@ class Pair:
     after: Analysis | None = None
     refused: str = ""
     unchanged: str = ""
+    regions: int = 0          # routed regions (or MoE layers) the rewrite runs per shard
 
     def note(self) -> str:
         """One sentence for the page where there is no after side ("" where there is)."""
@@ -111,7 +112,8 @@ def analyze_pair(fn: Callable, args: tuple, mesh, *, rewrite: bool = True, verif
         return Pair(before, unchanged=fixed.notes[-1].removeprefix("nothing to rewrite: "))
     if progress:
         progress("analyzing the rewritten step")
-    return Pair(before, analyze(fixed, *args, params_argnums=params_argnums, progress=progress))
+    return Pair(before, analyze(fixed, *args, params_argnums=params_argnums, progress=progress),
+                regions=fixed.regions)
 
 
 def run_sweep(key: str, values: tuple[int, ...], build_point: Callable[[int], tuple], *,

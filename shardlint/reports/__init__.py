@@ -11,6 +11,7 @@ from ._html import REPORT_SCHEMA as REPORT_SCHEMA
 from ._html import render_html as render_html
 from ._html import write_html as write_html
 from ._plan import PLAN_SCHEMA as PLAN_SCHEMA
+from ._plan import format_plan as format_plan
 from ._plan import Plan as Plan
 from ._plan import PlanPoint as PlanPoint
 from ._plan import PlanRow as PlanRow

@@ -22,6 +22,7 @@ import json
 from typing import Any
 
 from .._files import write_text
+from .._format import human_bytes
 
 PLAN_SCHEMA = "shardlint.plan/1"
 
@@ -43,6 +44,10 @@ class PlanSide:
     @property
     def moved_bytes(self) -> int:
         return sum(self.collective_bytes.values())
+
+    @property
+    def verdict(self) -> str:
+        return "fits" if self.fits else ("refused" if self.refused else "too big")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -72,10 +77,14 @@ class Longest:
     after: int | None
     tried: tuple[PlanPoint, ...] = ()
 
+    def point_at(self, value: int | None) -> PlanPoint | None:
+        """The point the search compiled at `value` of its key."""
+        return next((t for t in self.tried if value is not None and t.values.get(self.key) == value), None)
+
     def at_longest(self) -> PlanPoint | None:
         """The point compiled at the longest value that fits after the fix."""
-        return next((t for t in self.tried if self.after is not None and t.values.get(self.key) == self.after
-                     and t.after is not None and t.after.fits), None)
+        at = self.point_at(self.after)
+        return at if at is not None and at.after is not None and at.after.fits else None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -83,6 +92,34 @@ class PlanRow:
     grid: dict[str, Any]
     point: PlanPoint | None = None       # without --longest: the step at the grid point
     longest: Longest | None = None       # with --longest
+
+    def _points(self) -> tuple[PlanPoint, ...]:
+        return self.longest.tried if self.longest is not None else tuple(filter(None, [self.point]))
+
+    def sides(self) -> tuple[PlanSide | None, PlanSide | None]:
+        """The row's two sides as shown: the grid point's, or with a search each side at the
+        longest value that fits it (at the search's first value where none does)."""
+        if self.longest is None:
+            return (self.point.before, self.point.after) if self.point else (None, None)
+        first = min((t.values.get(self.longest.key) for t in self.longest.tried), default=None)
+        before = self.longest.point_at(self.longest.before or first)
+        after = self.longest.point_at(self.longest.after or first)
+        return (before.before if before else None, after.after if after else None)
+
+    @property
+    def regions(self) -> int:
+        return max((t.regions for t in self._points()), default=0)
+
+    @property
+    def note(self) -> str:
+        """The first error or note of the row's points ("" where none)."""
+        return next((t.error or t.note for t in self._points() if t.error or t.note), "")
+
+    @property
+    def ratio(self) -> str:
+        """The longest value after the fix over the one before ("-" where either is unknown)."""
+        found = self.longest
+        return f"{found.after / found.before:.2f}" if found and found.before and found.after else "-"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -131,27 +168,53 @@ def render_plan_html(plan: Plan) -> str:
 
 
 def _row_view(plan: Plan, index: int, row: PlanRow) -> dict:
-    view = {"grid": row.grid, "best": plan.best == index, "longest_before": None, "longest_after": None,
-            "ratio": "-", "before": None, "after": None, "regions": 0, "note": ""}
-    if row.longest is not None:
-        at = {side: next((t for t in row.longest.tried if t.values.get(row.longest.key) == value), None)
-              for side, value in (("before", row.longest.before or _first(row.longest)),
-                                  ("after", row.longest.after or _first(row.longest)))}
-        view.update(longest_before=row.longest.before, longest_after=row.longest.after,
-                    before=at["before"].before if at["before"] else None,
-                    after=at["after"].after if at["after"] else None,
-                    regions=max((t.regions for t in row.longest.tried), default=0),
-                    note=next((t.error or t.note for t in row.longest.tried if t.error or t.note), ""))
-        if row.longest.before and row.longest.after:
-            view["ratio"] = f"{row.longest.after / row.longest.before:.2f}"
-    elif row.point is not None:
-        view.update(before=row.point.before, after=row.point.after, regions=row.point.regions,
-                    note=row.point.error or row.point.note)
-    return view
+    before, after = row.sides()
+    return {"grid": row.grid, "best": plan.best == index, "ratio": row.ratio, "before": before,
+            "after": after, "regions": row.regions, "note": row.note,
+            "longest_before": row.longest.before if row.longest else None,
+            "longest_after": row.longest.after if row.longest else None}
 
 
-def _first(longest: Longest) -> int | None:
-    return min((t.values.get(longest.key) for t in longest.tried), default=None)
+def format_plan(plan: Plan) -> str:
+    """The plan as a table on stdout: one row per grid point, the best one marked."""
+    keys = list(plan.grid)
+    if plan.longest_key:
+        head = keys + [f"longest {plan.longest_key} before", "after", "x", "regions", "note"]
+    else:
+        head = keys + ["before", "after", "collectives before", "after", "regions", "note"]
+    lines = []
+    for i, row in enumerate(plan.rows):
+        cells = [str(row.grid[k]) for k in keys]
+        if row.longest is not None:
+            cells += [_or_dash(row.longest.before), _or_dash(row.longest.after), row.ratio]
+        else:
+            before, after = row.sides()
+            cells += [_fit(before), _fit(after), _moved(before), _moved(after)]
+        cells += [str(row.regions), row.note]
+        cells[0] = ("* " if plan.best == i else "  ") + cells[0]
+        lines.append(cells)
+    head[0] = "  " + head[0]
+    widths = [max(len(str(c)) for c in column) for column in zip(head, *[c[:-1] + [""] for c in lines])]
+    out = ["  ".join(str(c).ljust(w) for c, w in zip(head, widths)).rstrip()]
+    out += ["  ".join(str(c).ljust(w) for c, w in zip(cells, widths)).rstrip() for cells in lines]
+    limit = human_bytes(plan.limit_bytes)
+    where = f"{plan.topology} HBM per chip" if plan.topology and plan.limit_bytes else "--hbm-gib"
+    out.append("")
+    out.append(f"limit {limit} per device ({where}); * the best row: {plan.rule}" if plan.best is not None
+               else f"limit {limit} per device ({where}); no row fits after the fix")
+    return "\n".join(out)
+
+
+def _or_dash(value) -> str:
+    return "-" if value is None else str(value)
+
+
+def _fit(side: PlanSide | None) -> str:
+    return "-" if side is None else f"{side.verdict} {human_bytes(side.need_bytes)}"
+
+
+def _moved(side: PlanSide | None) -> str:
+    return "-" if side is None else human_bytes(side.moved_bytes)
 
 
 def write_plan_html(plan: Plan, path: str) -> str:

@@ -267,7 +267,7 @@ def longest_chart_svg(key: str, axis: str, series: dict[str, list[tuple[int, int
     if not values or not any(lines.values()):
         return Markup("")
     top = _nice_ceiling(max(y for pts in lines.values() for _, y in pts) * 1.08)
-    frame = _Frame(values, top, fmt=_count)
+    frame = _Frame(values, top, tick=_count, value=_count)
     out = [_chart_open(f"longest {key}", axis), frame.axes(axis, f"longest {key} that fits")]
     ends = [frame.series(name, pts, axis) for name, pts in lines.items() if pts]
     out += [svg for svg, _ in ends]
@@ -291,12 +291,13 @@ _LABELS = {"before": "before", "after": "after rewrite"}
 
 
 class _Frame:
-    """A chart's plot area: where an axis value and a y value land (`fmt` writes y values:
-    bytes by default), and its axes drawn."""
+    """A chart's plot area: where an axis value and a y value land, and its axes drawn; `tick`
+    writes a y value on the axis and `value` in a label (bytes by default)."""
 
-    def __init__(self, values: list[int], top: float, fmt: Callable[[float], str] | None = None):
+    def __init__(self, values: list[int], top: float, tick: Callable[[float], str] = _tick,
+                 value: Callable[[float], str] = human_bytes):
         self.values, self.top = values, top
-        self.fmt = fmt or _tick
+        self.tick, self.value = tick, value
         self.log_x = values[0] > 0 and values[-1] / values[0] >= 4
         self.width = _CHART_W - _M_LEFT - _M_RIGHT
         self.height = _CHART_H - _M_TOP - _M_BOTTOM
@@ -322,7 +323,7 @@ class _Frame:
             y = self.y(b)
             out.append(f'<line class="grid" x1="{_M_LEFT}" x2="{_M_LEFT + self.width}" y1="{y:.1f}" '
                        f'y2="{y:.1f}"/><text class="tick" x="{_M_LEFT - 8}" y="{y + 4:.1f}" '
-                       f'text-anchor="end">{escape(self.fmt(b))}</text>')
+                       f'text-anchor="end">{escape(self.tick(b))}</text>')
         bottom = _M_TOP + self.height
         for v in self.values:
             x = self.x(v)
@@ -341,7 +342,7 @@ class _Frame:
         svg = (f'<polyline class="line {cls}" data-series="{"ideal" if shared else "ideal-" + name}" '
                f'points="{self.points(pts)}"/>')
         (v, b) = pts[-1]
-        return svg, (self.y(b), self.x(v), cls, f"{'ideal ' if shared else ''}1/N · {human_bytes(b)}")
+        return svg, (self.y(b), self.x(v), cls, f"{'ideal ' if shared else ''}1/N · {self.value(b)}")
 
     def series(self, name: str, pts, axis: str) -> tuple[str, tuple]:
         """A measured line with a point (and its tooltip) per value, and its end label."""
@@ -350,12 +351,9 @@ class _Frame:
             out.append(f'<circle class="point {name}" cx="{self.x(v):.1f}" cy="{self.y(b):.1f}" r="4.5" '
                        f'data-series="{name}" data-x="{v}" data-bytes="{int(b)}">'
                        f"<title>{escape(_LABELS[name])}: {escape(axis)}={v}, "
-                       f"{escape(self._value(b))}</title></circle>")
+                       f"{escape(self.value(b))}</title></circle>")
         (v, b) = pts[-1]
-        return "".join(out), (self.y(b), self.x(v), name, f"{_LABELS[name]} · {self._value(b)}")
-
-    def _value(self, b) -> str:
-        return human_bytes(b) if self.fmt is _tick else self.fmt(b)
+        return "".join(out), (self.y(b), self.x(v), name, f"{_LABELS[name]} · {self.value(b)}")
 
 
 def _end_labels(ends: list[tuple]) -> str:
