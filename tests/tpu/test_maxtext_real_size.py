@@ -9,7 +9,8 @@ routing ops sharded and only the dispatch sums the context-sharded sequence into
 analysis names it (`contracted-tokens`), the rewrite starts its region there, and the
 rewritten step's temp and FLOPs per chip are those of context 1. At context 8 the step as
 written does not fit a chip (the compiler refuses it: 105 GiB of temporaries) and is
-analyzed anyway; rewritten, it fits. About 6 minutes of compiles: `slow`. Needs MaxText
+analyzed anyway; rewritten, it fits; so it does with one sequence per FSDP shard
+(per_device_batch_size=1/8). About 6 minutes of compiles: `slow`. Needs MaxText
 (Python 3.12) and a matching libtpu; run with `python -m pytest -q -m tpu -n 0`.
 """
 
@@ -37,10 +38,10 @@ CONFIG = dict(model_name="mixtral-8x7b", override_model_config=True, base_num_de
 
 
 @functools.cache
-def _point(context: int):
+def _point(context: int, **options):
     split = dict(allow_split_physical_axes=True) if context >= 8 else {}
     fn, args = maxtext.make_step(devices=topology_devices(TOPOLOGY), ici_context_parallelism=context,
-                                 **CONFIG, **split)
+                                 **{**CONFIG, **options}, **split)
     before = shardlint.analyze(fn, *args)
     if context == 1:
         return before, None
@@ -76,3 +77,13 @@ def test_context_8_does_not_fit_as_written_is_analyzed_and_fits_rewritten():
     assert _dispatches(before) and not fit_of(before).fits
     assert after.does_not_fit is None and fit_of(after).fits
     assert after.memory.temp_bytes <= 1.15 * first.memory.temp_bytes
+
+
+def test_context_8_with_one_sequence_per_fsdp_shard_is_rewritten():
+    """per_device_batch_size=1/8: MaxText loads 64 sequences and its train step slices off the
+    8 it trains on, one per FSDP shard, each split over the 8 context chips. That batch of 8
+    is the batch, not a capacity (the rewrite refused it as `bfloat16[8,32768,4096] has a
+    dimension sized by one shard's capacity`); rewritten, it gathers no sequence."""
+    before, after = _point(8, per_device_batch_size=0.125)
+    assert _dispatches(before) and not _dispatches(after)
+    assert after.memory.temp_bytes < before.memory.temp_bytes

@@ -89,7 +89,7 @@ def plan_regions(traces: Traces, axes: TokenAxes, *, seed_lines: frozenset = fro
         specs[var] = spec
     capacity = frozenset(two_token_dims)
     if per_shard_capacity:
-        sizes = _token_sizes(g.jaxpr.invars, specs)
+        sizes = _token_sizes(g.jaxpr, specs)
         capacity |= {v for v, spec in specs.items() if not _token_shaped(v, spec, sizes)}
     planner = _Planner(axes, specs, two_token_dims, capacity, seed_lines, per_shard_capacity, traces)
     top = planner.level(g.jaxpr, tuple(g.consts))
@@ -195,12 +195,14 @@ class _Planner:
                            "global. Return it per (batch, seq) from the layer")
 
 
-def _token_sizes(invars, specs) -> dict:
+def _token_sizes(jaxpr, specs) -> dict:
     """The global sizes a token dimension has, per the mesh axes that shard it: those of
     the step's token-carrying inputs (batch, sequence) and of any run of their adjacent
-    dimensions merged into one (flattened tokens)."""
+    dimensions merged into one (flattened tokens). The inputs are followed into the calls
+    that wrap the step and through the slices it takes of them: MaxText loads a batch of
+    one sequence per device and trains on its first rows where per_device_batch_size < 1."""
     sizes: dict = {}
-    for v in invars:
+    for v in _inputs(jaxpr):
         spec = specs.get(v)
         if spec is None:
             continue
@@ -211,6 +213,26 @@ def _token_sizes(invars, specs) -> dict:
                 names = tuple(a for e in entries[first:end] for a in e)
                 sizes.setdefault(names, set()).add(math.prod(shape[first:end]))
     return sizes
+
+
+def _inputs(jaxpr, given=None) -> list:
+    """The step's inputs (or the `given` ones of a body), the inputs of the call bodies they
+    are passed to, and the slices taken of them; not what is computed from them (slicing
+    tokens down to a capacity makes a capacity)."""
+    found = list(jaxpr.invars if given is None else given)
+    seen = set(found)
+    for eqn in jaxpr.eqns:
+        inner = sub_of(eqn)
+        if eqn.primitive.name == "slice" and eqn.invars[0] in seen:
+            made = [eqn.outvars[0]]
+        elif inner is not None and not inner.stacks:
+            made = _inputs(inner.jaxpr, [w for v, w in zip(eqn.invars, inner.jaxpr.invars)
+                                         if not is_literal(v) and v in seen])
+        else:
+            continue
+        found += [v for v in made if v not in seen]
+        seen.update(made)
+    return found
 
 
 def _token_shaped(var, spec, sizes: dict) -> bool:
