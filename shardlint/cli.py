@@ -99,24 +99,16 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--grid", action="append", metavar="KEY=v1,v2,...",
                    help="the values of an axis of --mesh or an option of the target to try, "
                         "e.g. --grid ici_context_parallelism=1,2,4,8 (repeatable: every "
-                        "combination is a point)")
+                        "combination is a point); keys joined by ':' move together, e.g. "
+                        "--grid ici_context_parallelism:per_device_batch_size=1:1,4:0.25")
     p.add_argument("--longest", metavar="KEY=lo..hi",
                    help="at each point, the longest value of KEY (a target option) that fits, "
-                        "before and after the fix: doubling from lo, then halving the gap to a "
-                        "multiple of 1024 (or lo, if smaller; KEY=lo..hi:step to say), e.g. "
+                        "before and after the fix, to a multiple of 1024 (or lo, if smaller; "
+                        "KEY=lo..hi:step to say), led by each compile's memory need, e.g. "
                         "--longest max_target_length=4096..262144")
     _add_topology(p)
     _add_rewrite_options(p)
-    p.add_argument("--jobs", type=int, default=1, metavar="N",
-                   help="compile N points at once, each in a process of its own (default 1; "
-                        "each compile of a large step takes its own memory)")
-    p.add_argument("--ray", metavar="ADDRESS",
-                   help="run each point as a task on the Ray cluster at ADDRESS ('auto': the "
-                        "one this machine belongs to); needs pip install 'shardlint[ray]'")
-    p.add_argument("--ray-cpus", type=float, default=1.0, metavar="N",
-                   help="CPUs each Ray task asks for (default 1)")
-    p.add_argument("--ray-memory-gib", type=float, metavar="N",
-                   help="memory each Ray task asks for, in GiB (default: none asked)")
+    _add_engine(p, jobs=1, default="1")
     p.add_argument("--json", metavar="FILE", help="write the plan (shardlint.plan/1)")
     p.add_argument("--out", metavar="FILE", help="write the plan as an HTML page")
     p = sub.add_parser("demo", parents=[common], help="run the whole story on the built-in example: analyze, "
@@ -149,6 +141,21 @@ def _add_sweep(p: argparse.ArgumentParser) -> None:
                         "the target (--set keys), and say which lines hold the memory that does "
                         "not shrink, e.g. --sweep context=1,2,4,8 or --sweep "
                         "ici_context_parallelism=1,2,4,8")
+    _add_engine(p, jobs=0, default="0: one after another in this process")
+
+
+def _add_engine(p: argparse.ArgumentParser, *, jobs: int, default: str) -> None:
+    """Where a plan's or a sweep's points run (`commands._engine`)."""
+    p.add_argument("--jobs", type=int, default=jobs, metavar="N",
+                   help=f"compile N points at once, each in a process of its own (default {default}; "
+                        "each compile of a large step takes its own memory)")
+    p.add_argument("--ray", metavar="ADDRESS",
+                   help="run each point as a task on the Ray cluster at ADDRESS ('auto': the "
+                        "one this machine belongs to); needs pip install 'shardlint[ray]'")
+    p.add_argument("--ray-cpus", type=float, default=1.0, metavar="N",
+                   help="CPUs each Ray task asks for (default 1)")
+    p.add_argument("--ray-memory-gib", type=float, metavar="N",
+                   help="memory each Ray task asks for, in GiB (default: none asked)")
 
 
 def _add_rewrite_options(p: argparse.ArgumentParser) -> None:

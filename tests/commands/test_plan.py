@@ -14,19 +14,35 @@ import pytest
 
 from shardlint._errors import UsageError
 from shardlint.commands._engine import Engine, Failed
-from shardlint.commands._plan import longest_fitting, next_probe, parse_grid, parse_longest
+from shardlint.commands._plan import grid_points, grid_values, longest_fitting, next_probe, parse_grid, parse_longest
 from support import plan_workers
 from support.processes import user_env
 
 
 def test_grid_words_are_read_as_set_values_are():
-    assert parse_grid(["context=1,2,4", "decoder_block=mixtral,llama2"]) == {
-        "context": (1, 2, 4), "decoder_block": ("mixtral", "llama2")}
+    grid = parse_grid(["context=1,2,4", "decoder_block=mixtral,llama2"])
+    assert grid_values(grid) == {"context": (1, 2, 4), "decoder_block": ("mixtral", "llama2")}
+    assert len(grid_points(grid)) == 6
+    assert grid_points(grid)[1] == {"context": 1, "decoder_block": "llama2"}
+
+
+def test_tied_grid_keys_move_together():
+    """One sequence per FSDP shard: the batch per device falls as the context degree grows."""
+    grid = parse_grid(["ici_context_parallelism:per_device_batch_size=1:1,4:0.25", "layers=1,2"])
+    assert grid_values(grid) == {"ici_context_parallelism": (1, 4), "per_device_batch_size": (1, 0.25),
+                                 "layers": (1, 2)}
+    assert grid_points(grid) == [
+        {"ici_context_parallelism": 1, "per_device_batch_size": 1, "layers": 1},
+        {"ici_context_parallelism": 1, "per_device_batch_size": 1, "layers": 2},
+        {"ici_context_parallelism": 4, "per_device_batch_size": 0.25, "layers": 1},
+        {"ici_context_parallelism": 4, "per_device_batch_size": 0.25, "layers": 2}]
 
 
 @pytest.mark.parametrize("words, says", [
     (["context"], "write KEY=v1,v2"), (["context=1,2", "context=4"], "given twice"),
-    (["context=1,1"], "repeats a value"), (["1x=2"], "write KEY=v1,v2")])
+    (["context=1,1"], "repeats a value"), (["1x=2"], "write KEY=v1,v2"),
+    (["context:batch=1:2,4"], "give each point 2 values"), (["context:context=1:1"], "given twice"),
+    (["context=1,2", "batch:context=1:1"], "given twice")])
 def test_a_grid_word_that_cannot_be_read_says_how_to_write_it(words, says):
     with pytest.raises(UsageError, match=says):
         parse_grid(words)
@@ -41,12 +57,18 @@ def test_longest_words():
             parse_longest(bad)
 
 
-def _search(limit, lo, hi, step, broken=None):
+def _search(limit, lo, hi, step, broken=None, need=None):
     """The search against a step that fits up to `limit` (and cannot be compiled at
-    `broken`): the longest value found and the values compiled, in order."""
+    `broken`): the longest value found and the values compiled, in order. With `need` (a
+    function of the value, in bytes) the search is told each compile's need against a
+    limit of `need(limit)`."""
     fits: dict = {}
-    while (value := next_probe(fits, lo, hi, step)) is not None:
+    needs: dict = {}
+    while (value := next_probe(fits, lo, hi, step, needs if need else None,
+                               need(limit) if need else None)) is not None:
         fits[value] = None if value == broken else value <= limit
+        if need:
+            needs[value] = need(value)
     return longest_fitting(fits), list(fits)
 
 
@@ -55,6 +77,27 @@ def test_the_search_finds_the_longest_multiple_of_the_step_that_fits(limit):
     found, tried = _search(limit, 4096, 262_144, 1024)
     assert found == min(limit, 262_144) // 1024 * 1024
     assert len(tried) <= 7 + 8, tried        # doubling up to 64x, then halving a gap of <= 128 steps
+
+
+@pytest.mark.parametrize("limit", [4096, 5000, 36_999, 131_072, 200_000, 262_144, 10**6])
+def test_with_the_needs_the_search_finds_the_same_value_in_four_or_five_compiles(limit):
+    """Memory that grows linearly with the sequence (a fixed part, then bytes per token):
+    the line through two compiles' needs says where the limit is."""
+    found, tried = _search(limit, 4096, 262_144, 1024, need=lambda v: 3 * 2**30 + 40_000 * v)
+    assert found == min(limit, 262_144) // 1024 * 1024
+    assert len(tried) <= 5, tried
+    assert _search(limit, 4096, 262_144, 1024)[0] == found     # as without them
+
+
+@pytest.mark.parametrize("limit", [36_999, 131_072, 200_000])
+@pytest.mark.parametrize("need", [lambda v: v * v, lambda v: 2**40 - (300_000 - v) ** 2, lambda v: v // 4096])
+def test_where_the_need_is_not_a_line_the_search_still_finds_the_value_and_halves_when_it_stalls(limit, need):
+    """Quadratic (attention without flash), concave, and a staircase (XLA's buffers in
+    blocks): the line misses; halving the gap when it stalls keeps the search as short as
+    without the needs, near enough."""
+    found, tried = _search(limit, 4096, 262_144, 1024, need=need)
+    assert found == limit // 1024 * 1024
+    assert len(tried) <= 7 + 8 + 2, tried
 
 
 def test_the_search_says_none_where_the_first_value_does_not_fit_and_stops_at_an_error():
