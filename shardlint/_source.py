@@ -129,6 +129,8 @@ def is_library_file(file: str) -> bool:
     own machinery (not its `moe` and `examples`, which are model code)."""
     if file.startswith("<frozen "):
         return True  # the standard library's frozen modules (`<frozen runpy>`)
+    if file == "<string>":
+        return True  # code run from a string: a spawned process's entry (`_engine`), `python -c`
     if not os.path.isabs(file):
         return False
     path = PurePath(os.path.normpath(file))

@@ -5,6 +5,8 @@ compile's memory back when it ends.
 
 Locally the points run `jobs` at a time, each in a spawned process; a process that dies (the
 kernel's out-of-memory killer, a crash in native code) fails its own point only. With
+`jobs=0` they run one after another in this process (a report's `--sweep` by default: the
+JAX that is already started, no pickling), and a worker's exception reaches the caller. With
 `ray=ADDRESS` (or "auto") each point is a Ray task on that cluster with its CPU and memory
 request, in a worker process of its own (`max_calls=1`). Either way the results come back in
 the order of the points, the same for the same points. libtpu lets a second process load it
@@ -36,6 +38,16 @@ from .._interrupt import ended_on_interrupt
 POINT_ENV = {"ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
 
 
+def engine_of(args, *, least: int, progress: Callable[[str], None] | None) -> Engine:
+    """The engine the command line asks for (`--jobs`, `--ray`...); `least` jobs at least."""
+    from .._errors import UsageError
+
+    if args.jobs < least:
+        raise UsageError(f"--jobs {args.jobs}: give {least} or more")
+    return Engine(jobs=args.jobs, ray=args.ray, cpus=args.ray_cpus, memory_gib=args.ray_memory_gib,
+                  progress=progress)
+
+
 @dataclasses.dataclass(frozen=True)
 class Failed:
     """A point whose worker raised or whose process died: why, in one line."""
@@ -45,8 +57,8 @@ class Failed:
 
 @dataclasses.dataclass(frozen=True)
 class Engine:
-    """Where points run: `jobs` local processes, or the Ray cluster at `ray`, each task
-    asking for `cpus` CPUs and `memory_gib` of memory."""
+    """Where points run: `jobs` local processes (0: this process), or the Ray cluster at
+    `ray`, each task asking for `cpus` CPUs and `memory_gib` of memory."""
 
     jobs: int = 1
     ray: str | None = None
@@ -61,7 +73,10 @@ class Engine:
         labels = list(labels or [str(s) for s in specs])
         if self.ray is not None:
             return _on_ray(self, worker, list(specs), labels)
-        return _locally(self.jobs, worker, list(specs), labels, _Clock(len(specs), self.jobs, self.progress))
+        clock = _Clock(len(specs), self.jobs, self.progress)
+        if self.jobs == 0:
+            return [_here(worker, spec, label, clock) for spec, label in zip(specs, labels)]
+        return _locally(self.jobs, worker, list(specs), labels, clock)
 
 
 class _Clock:
@@ -87,6 +102,13 @@ class _Clock:
 
 def _minutes(seconds: float) -> str:
     return f"{seconds:.0f} s" if seconds < 90 else f"{seconds / 60:.0f} min"
+
+
+def _here(worker, spec, label: str, clock: _Clock) -> Any:
+    start = time.monotonic()
+    result = worker(spec)
+    clock.finished(label, time.monotonic() - start, result)
+    return result
 
 
 def _child(conn, worker, spec) -> None:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 from .._errors import UsageError
@@ -88,7 +89,7 @@ def load_sweep(args):
     import argparse
 
     from ._sweep import mesh_points, parse_sweep_spec, start_devices
-    from ._targets import build_topology_mesh, parse_mesh_spec, parse_options, target_options
+    from ._targets import parse_mesh_spec, parse_options, target_options
 
     if not args.sweep:
         return None
@@ -99,8 +100,7 @@ def load_sweep(args):
         topology = getattr(args, "topology", None)
         if not topology:
             start_devices(axes, (key, values))
-        build = (lambda point: build_topology_mesh(point, topology)) if topology else None
-        return key, values, mesh_points(args.target, axes, key, options=options, build_mesh=build)
+        return key, values, mesh_points(args.target, axes, key, options=options, topology=topology)
     if key in options:
         raise UsageError(f"--sweep {key}=... and --set {key}=...: give its values in --sweep only")
     takes = target_options(args.target)
@@ -109,9 +109,20 @@ def load_sweep(args):
                          f"nor an option of target {args.target!r} (it takes "
                          f"{', '.join(takes) if takes else 'none'})")
 
-    def build_point(value: int):
-        point = argparse.Namespace(**vars(args))
-        point.options = [*(args.options or []), f"{key}={value}"]
-        return load(point)
+    return key, values, OptionPoints(argparse.Namespace(**vars(args)), key)
 
-    return key, values, build_point
+
+@dataclasses.dataclass(frozen=True)
+class OptionPoints:
+    """`(mesh, step, args)` of the command line's target with `key=value` beside its `--set`
+    options (picklable: a sweep point may run in a process of its own)."""
+
+    args: object      # the command line's argparse.Namespace
+    key: str
+
+    def __call__(self, value: int) -> tuple:
+        import argparse
+
+        point = argparse.Namespace(**vars(self.args))
+        point.options = [*(self.args.options or []), f"{self.key}={value}"]
+        return load(point)

@@ -166,12 +166,15 @@ def _over_options(args, key: str) -> bool:
 
 
 def _sweep(args, plan, rewrite: bool, known=None) -> dict:
-    """The sweep's points; each point's headline on stderr as it comes."""
+    """The sweep's points (on the engine `--jobs`/`--ray` say); each point's headline on
+    stderr as it comes."""
+    from ._engine import engine_of
     from ._sweep import run_sweep
 
     key, values, build = plan
     return run_sweep(key, values, build, rewrite=rewrite, progress=progress, known=known,
-                     rewrite_options=rewrite_options(args, None))
+                     rewrite_options=rewrite_options(args, None),
+                     engine=engine_of(args, least=0, progress=progress))
 
 
 def _report_fit(args, before, after) -> bool:

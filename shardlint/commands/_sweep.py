@@ -116,50 +116,89 @@ def analyze_pair(fn: Callable, args: tuple, mesh, *, rewrite: bool = True, verif
                 regions=fixed.regions)
 
 
+@dataclasses.dataclass(frozen=True)
+class SweepPoint:
+    """One point of a sweep, as a worker gets it (`_engine`): picklable where `build_point`
+    is, so that it may run in a process of its own."""
+
+    key: str
+    value: int
+    build_point: Callable[[int], tuple]
+    rewrite: bool
+    progress: Progress | None
+    rewrite_options: dict[str, Any]
+
+
+def analyze_point(point: SweepPoint) -> Pair:
+    """A sweep point's step analyzed, and rewritten where asked (refusals kept)."""
+    if point.progress:
+        point.progress(f"sweep {point.key}={point.value}")
+    try:
+        mesh, fn, args = point.build_point(point.value)
+        pair = analyze_pair(fn, args, mesh, rewrite=point.rewrite, verify=False, progress=point.progress,
+                            keep_refusal=True, **point.rewrite_options)
+    except ShardlintError as e:
+        raise type(e)(f"--sweep {point.key}={point.value}: {e}") from e
+    if pair.refused and point.progress:
+        point.progress(f"sweep {point.key}={point.value}: the rewrite was refused: {first_line(pair.refused)}")
+    return pair
+
+
 def run_sweep(key: str, values: tuple[int, ...], build_point: Callable[[int], tuple], *,
               rewrite: bool = True, progress: Progress | None = None,
               known: dict[int, Pair] | None = None,
-              rewrite_options: dict[str, Any] | None = None) -> dict[str, Any]:
+              rewrite_options: dict[str, Any] | None = None, engine=None) -> dict[str, Any]:
     """Analyzes the step at each value of `key` (and with `rewrite`, the rewritten step);
     `build_point(value)` returns that point's `(mesh, step, args)`, `known` holds points
-    already analyzed (by value). Returns `{"axis": key, "points": [...]}` (`reports._sweep`):
-    a point where the rewrite changes nothing has the step itself as its after side; one
-    where it is refused has none, and says why (`refused`)."""
-    known = known or {}
+    already analyzed (by value). The points run on `engine` (`_engine.Engine`, the plan's;
+    default: one after another in this process). Returns `{"axis": key, "points": [...]}`
+    (`reports._sweep`): a point where the rewrite changes nothing has the step itself as
+    its after side; one where it is refused has none, and says why (`refused`)."""
+    from ._engine import Engine, Failed
+
+    known = dict(known or {})
+    engine = engine or Engine(jobs=0, progress=progress)
+    todo = [v for v in values if v not in known]
+    specs = [SweepPoint(key, v, build_point, rewrite, progress, dict(rewrite_options or {})) for v in todo]
+    for value, pair in zip(todo, engine.map(analyze_point, specs, [f"sweep {key}={v}" for v in todo])):
+        if isinstance(pair, Failed):
+            raise ShardlintError(f"--sweep {key}={value}: {pair.why}")
+        known[value] = pair
     points = []
     for value in values:
-        if value in known:
-            pair = known[value]
-        else:
-            if progress:
-                progress(f"sweep {key}={value}")
-            try:
-                mesh, fn, args = build_point(value)
-                pair = analyze_pair(fn, args, mesh, rewrite=rewrite, verify=False, progress=progress,
-                                    keep_refusal=True, **(rewrite_options or {}))
-            except ShardlintError as e:
-                raise type(e)(f"--sweep {key}={value}: {e}") from e
-            if pair.refused and progress:
-                progress(f"sweep {key}={value}: the rewrite was refused: {first_line(pair.refused)}")
+        pair = known[value]
         after = pair.before if pair.unchanged else pair.after
         points.append({"value": value, "before": pair.before, "after": after, "refused": pair.refused})
     return {"axis": key, "points": points}
 
 
 def mesh_points(target: str, mesh: dict[str, int], axis: str, *, options: dict[str, Any] | None = None,
-                build_mesh: Callable[[dict[str, int]], Any] | None = None) -> Callable[[int], tuple]:
-    """The points of a sweep over one axis of `mesh` (default: simulated CPU devices; the CLI
-    passes TPU topology meshes for `--topology`), the target called with each point's mesh."""
-    from ._targets import build_mesh as cpu_mesh
-    from ._targets import check_mesh, make_step
-
+                topology: str | None = None) -> MeshPoints:
+    """The points of a sweep over one axis of `mesh`: simulated CPU devices, or the chips of
+    a TPU `topology`, the target called with each point's mesh."""
     sweep_meshes(mesh, axis, ())   # the axis must be the mesh's
-    build_mesh = build_mesh or cpu_mesh
+    return MeshPoints(target, dict(mesh), axis, dict(options or {}), topology)
 
-    def build(value: int):
-        point_mesh = build_mesh({**mesh, axis: value})
-        fn, args = make_step(target, point_mesh, options)
+
+@dataclasses.dataclass(frozen=True)
+class MeshPoints:
+    """`(mesh, step, args)` at a value of one mesh axis (see `mesh_points`)."""
+
+    target: str
+    mesh: dict[str, int]
+    axis: str
+    options: dict[str, Any]
+    topology: str | None = None
+
+    def __call__(self, value: int) -> tuple:
+        from ._targets import build_mesh, build_topology_mesh, check_mesh, make_step, simulate_devices
+
+        axes = {**self.mesh, self.axis: value}
+        if self.topology:
+            point_mesh = build_topology_mesh(axes, self.topology)
+        else:
+            simulate_devices(math.prod(axes.values()))   # in a point's own process, its devices
+            point_mesh = build_mesh(axes)
+        fn, args = make_step(self.target, point_mesh, self.options)
         check_mesh(args, point_mesh)
         return point_mesh, fn, args
-
-    return build

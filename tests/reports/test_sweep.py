@@ -11,10 +11,13 @@ trades data for context on 8 devices (the activations per device stay, so should
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 
 from shardlint.cli import main
+from support.processes import user_env
 
 TARGET = "shardlint.examples.steps:make_step"
 TRADING = '''
@@ -74,6 +77,20 @@ def test_a_mesh_axis_sweep_names_the_lines_that_do_not_shrink(mesh_sweep):
         buffers = point["before"]["peak_buffers"]
         accounted = sum(b["bytes"] for b in buffers if b["role"] == "temp")
         assert accounted >= 0.95 * point["before"]["temp_bytes"]
+
+
+def test_the_sweep_runs_on_the_plans_engine_with_the_same_points(tmp_path):
+    """`--jobs 2`: each point in a process of its own (`commands._engine`, the plan's), the
+    same sweep, frames and lines included, as one after another in the command's process."""
+    docs = []
+    for jobs in ("0", "2"):
+        out = tmp_path / f"sweep-{jobs}.json"
+        done = subprocess.run([sys.executable, "-m", "shardlint", "analyze", TARGET, "--mesh", "data=2,context=4",
+                               "--sweep", "context=1,2", "--jobs", jobs, "--json", str(out)],
+                              env=user_env(), capture_output=True, text=True, timeout=600)
+        assert done.returncode == 1, done.stderr[-2000:]     # the step loses the sharding
+        docs.append(json.loads(out.read_text())["sweep"])
+    assert docs[0] == docs[1]
 
 
 def test_the_sweep_is_printed_with_its_headline(capsys):

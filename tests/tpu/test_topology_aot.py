@@ -155,10 +155,9 @@ def test_report_sweeps_the_context_degree_on_the_topology(tmp_path, capsys):
 def test_sweep_points_are_compiled_for_the_topology():
     from shardlint.commands import run_sweep
     from shardlint.commands._sweep import mesh_points
-    from shardlint.commands._targets import build_topology_mesh
 
     points = mesh_points("shardlint.examples.steps:make_per_shard_step", {"data": 1, "context": 2}, "context",
-                         build_mesh=lambda axes: build_topology_mesh(axes, TOPOLOGY))
+                         topology=TOPOLOGY)
     sweep = run_sweep("context", (1, 2), points, rewrite=False)
     for point in sweep["points"]:
         assert point["before"].platform == "tpu" and point["before"].topology == TOPOLOGY
