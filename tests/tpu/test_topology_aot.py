@@ -255,3 +255,17 @@ def test_a_second_process_while_this_one_holds_libtpu_is_told_so():
     said = subprocess.run([sys.executable, "-c", ask], capture_output=True, text=True, timeout=300).stdout
     assert "libtpu is in use by another process on this machine" in said, said
     assert "run one TPU compile at a time" in said and "try e.g." not in said
+
+
+def test_the_expert_parallel_layer_xla_cpu_cannot_compile_is_analyzed_and_rewritten_with_the_offered_topology(
+        capsys):
+    """What the CPU error offers (tests/analyzer/test_unimplemented.py): `--topology
+    v5p:2x2x2` compiles the `ragged_all_to_all` layer; the analysis lists its
+    ragged-all-to-alls over `expert`, and the rewrite runs (its tokens never leave their
+    shards: nothing to rewrite)."""
+    code = main(["analyze", "support.expert_parallel:make_step", "--mesh", "expert=8", "--topology", "v5p:2x2x2",
+                 "--rewrite"])
+    out, err = capsys.readouterr()
+    assert code == 0, err[-2000:]
+    assert "nothing to rewrite" in err
+    assert sum(line.split()[:1] == ["ragged-all-to-all"] and " expert " in line for line in out.splitlines()) >= 2

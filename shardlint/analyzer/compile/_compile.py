@@ -36,12 +36,13 @@ from jax.sharding import NamedSharding
 
 from ... import _interrupt, _jax
 from ..._errors import AnalysisError
-from ..parse import Asked, asked_for, memory_of_buffer_assignment, MeshInfo
+from ..._source import Source, user_sources
+from ..parse import Asked, asked_for, memory_of_buffer_assignment, MeshInfo, op_stack
 from ._dump import PROPAGATION_PASSES, DumpedModule, read_dump
 from ...jaxpr import grouped_matmul_sources
 from ._lower import lower_as_jit
 from .._model import Memory, NoFit
-from ._topology import check_libtpu, topology_of
+from ._topology import INSTALL, check_libtpu, topology_of
 from ._xla_log import Remat, captured_stderr, involuntary_rematerializations
 
 # Per-compile options override XLA_FLAGS: a module filter set there (MaxText's config sets
@@ -97,7 +98,8 @@ def compile_step(fn: Callable, args: tuple, mesh=None, progress=None,
         check_libtpu()  # a mismatched libtpu fails inside the compiler with a RET_CHECK
     lowering = lower_as_jit(fn, args, mesh, progress)
     traced, lowered = lowering.traced, lowering.lowered
-    asked = asked_for(lowered.compiler_ir("stablehlo"))
+    module = lowered.compiler_ir("stablehlo")
+    asked = asked_for(module)
     dump_dir = tempfile.mkdtemp(prefix="shardlint-")
     _interrupt.register(dump_dir, "tree")   # XLA may still write into it after Ctrl-C
     try:
@@ -112,13 +114,13 @@ def compile_step(fn: Callable, args: tuple, mesh=None, progress=None,
             except Exception as e:
                 refused, error = no_fit(e), e
                 if refused is None:
-                    raise compile_error(e, info, topology) from e
+                    raise compile_error(e, info, topology, module) from e
         try:   # a refused TPU compile dumps the partitioned program and its buffers first
             dumped = read_dump(dump_dir, compiled_only=True)
         except AnalysisError:
             if error is None:
                 raise
-            raise compile_error(error, info, topology) from error
+            raise compile_error(error, info, topology, module) from error
         if refused is not None and progress:
             progress(f"the compiler refused the step for lack of memory ({refused.message}); "
                      "analyzing what it partitioned and assigned before it refused")
@@ -148,11 +150,19 @@ def compile_step(fn: Callable, args: tuple, mesh=None, progress=None,
     )
 
 
-def compile_error(error: Exception, info: MeshInfo, topology: str | None) -> AnalysisError:
+def compile_error(error: Exception, info: MeshInfo, topology: str | None, module=None) -> AnalysisError:
     """The compiler's refusal as one error. Out of memory (`RESOURCE_EXHAUSTED`, which
     libtpu raises when the step cannot fit a chip's HBM) says so in one line: the
-    compiler's first line, which has the numbers, not the buffer listing after it."""
+    compiler's first line, which has the numbers, not the buffer listing after it. An op
+    XLA:CPU does not implement (`UNIMPLEMENTED: HLO opcode ...`) is named with the user's
+    line that made it (from the lowered `module`), and the TPU compiler is offered."""
     refused = no_fit(error)
+    unimplemented = _UNIMPLEMENTED_RE.search(str(error))
+    if unimplemented and not topology:
+        opcode = unimplemented.group(1)
+        return AnalysisError(
+            f"XLA:CPU cannot compile {opcode}{_made_at(module, opcode)}: compile the step for a "
+            f"TPU topology instead (no TPU needed), e.g. --topology v5p:2x2x2 (needs {INSTALL})")
     if refused is None:
         return AnalysisError(f"XLA could not compile the step on mesh {info.as_dict()}: "
                              f"{type(error).__name__}: {str(error).strip()}")
@@ -160,6 +170,18 @@ def compile_error(error: Exception, info: MeshInfo, topology: str | None) -> Ana
     return AnalysisError(f"the step does not fit {where} on mesh {info.as_dict()}: {refused.message}; "
                          f"shard it over more devices (a larger mesh or topology), or make "
                          f"the batch or sequence smaller")
+
+
+# XLA:CPU's words for an op it has no emitter for (JAX 0.10.2 and 0.12.0.1): "UNIMPLEMENTED:
+# HLO opcode `ragged-all-to-all` is not supported by XLA:CPU ThunkEmitter".
+_UNIMPLEMENTED_RE = re.compile(r"UNIMPLEMENTED: HLO opcode `?([\w-]+)`? is not supported")
+
+
+def _made_at(module, opcode: str) -> str:
+    """` (made at model.py:42)`: the user's line of the op `opcode` comes from ("" if none)."""
+    stack = op_stack(module, opcode) if module is not None else ()
+    frames = user_sources(tuple(Source(file, line) for file, line in stack))
+    return f" (made at {frames[0]})" if frames else ""
 
 
 # libtpu's words for a step that needs more HBM than a chip has (0.0.42 and 0.0.50 alike):

@@ -24,3 +24,4 @@ from ._live_range import LiveRanges as LiveRanges
 from ._live_range import parse_live_range as parse_live_range
 from ._stablehlo import Asked as Asked
 from ._stablehlo import asked_for as asked_for
+from ._stablehlo import op_stack as op_stack

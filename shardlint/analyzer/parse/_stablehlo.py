@@ -48,6 +48,20 @@ def asked_for(module) -> tuple[Asked, ...]:
     return tuple(found)
 
 
+def op_stack(module, hlo_opcode: str) -> tuple[tuple[str, int], ...]:
+    """The (file, line) frames of the first op of a lowered module that XLA's `hlo_opcode`
+    (`ragged-all-to-all`) is made from: the StableHLO op of that name, or a custom call of
+    that target (JAX lowers `ragged_all_to_all` to one); () where none has a location."""
+    name = hlo_opcode.replace("-", "_")
+    for op in _walk(module.operation):
+        target = op.attributes["call_target_name"] if "call_target_name" in op.attributes else None
+        if op.name == f"stablehlo.{name}" or (target is not None and ir.StringAttr(target).value == name):
+            stack = location_stack(op.location)
+            if stack:
+                return stack
+    return ()
+
+
 def location_stack(location) -> tuple[tuple[str, int], ...]:
     """The (file, line) frames of an MLIR location, innermost first.
 
