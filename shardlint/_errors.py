@@ -64,7 +64,9 @@ def exit_code(command: Callable[[], int], *, show_traceback: bool = False) -> in
     try:
         return command()
     except ShardlintError as e:
-        raised_elsewhere = e.__cause__ is not None and not isinstance(e.__cause__, ShardlintError)
+        # The hint where the cause's frames say more than the line: not where the operating
+        # system refused a file (the line names the file and why) or shardlint said it.
+        raised_elsewhere = e.__cause__ is not None and not isinstance(e.__cause__, (ShardlintError, OSError))
         hint = " (--traceback shows the whole traceback)" if raised_elsewhere and not show_traceback else ""
         print(f"shardlint: error: {e}{hint}", file=sys.stderr)
         if show_traceback:

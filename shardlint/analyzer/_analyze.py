@@ -142,4 +142,4 @@ def _asked_in(dumped) -> tuple:
         return asked_for(_jax.parse_mlir_module(dumped.stablehlo))
     except Exception as e:  # MLIR's parser raises its own error types
         raise AnalysisError(f"{dumped.stem}/module.mlir is not StableHLO this JAX can read "
-                            f"({type(e).__name__}: {str(e).splitlines()[0][:200]})") from None
+                            f"({type(e).__name__}: {str(e).splitlines()[0][:200]})") from e

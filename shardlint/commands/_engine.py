@@ -163,10 +163,10 @@ def _locally(jobs: int, worker, specs: list, labels: list[str], clock: _Clock) -
 def _on_ray(engine: Engine, worker, specs: list, labels: list[str]) -> list:
     try:
         import ray
-    except ImportError:
+    except ImportError as e:
         from .._errors import UsageError
 
-        raise UsageError("--ray needs Ray: pip install 'shardlint[ray]'") from None
+        raise UsageError("--ray needs Ray: pip install 'shardlint[ray]'") from e
     if not ray.is_initialized():
         ray.init(address=engine.ray, log_to_driver=False,
                  runtime_env={"env_vars": dict(POINT_ENV)})

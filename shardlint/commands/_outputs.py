@@ -39,7 +39,7 @@ def output_file(path: str, what: str) -> str:
             open(path, "x").close()
             os.unlink(path)
     except OSError as e:
-        raise UsageError(f"cannot write {what} to {path}: {_refusal(e, folder)}") from None
+        raise UsageError(f"cannot write {what} to {path}: {_refusal(e, folder)}") from e
     if not existed:
         _interrupt.register(path, "file")
     return path
@@ -62,7 +62,7 @@ def output_folder(path: str, what: str, files: tuple[str, ...] = ()) -> str:
         os.unlink(probe)
     except OSError as e:
         raise UsageError(f"cannot write {what} to {path}: "
-                         f"{_refusal(e, os.path.dirname(os.path.abspath(path)))}") from None
+                         f"{_refusal(e, os.path.dirname(os.path.abspath(path)))}") from e
     finally:
         for folder in reversed(missing):
             with contextlib.suppress(OSError):

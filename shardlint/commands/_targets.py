@@ -208,7 +208,7 @@ def mesh_of_args(args, target: str):
     try:
         return mesh_of(args)
     except AnalysisError as e:
-        raise UsageError(f"target {target!r}: {e}") from None
+        raise UsageError(f"target {target!r}: {e}") from e
 
 
 def check_mesh(args, mesh) -> None:

@@ -130,15 +130,15 @@ def read_baseline(path: str, how_to_create: str = "shardlint check TARGET --mesh
     try:
         with open(path, encoding="utf-8") as fh:
             text = fh.read()
-    except FileNotFoundError:
-        raise BaselineError(f"no baseline at {path}; {fix}") from None
+    except FileNotFoundError as e:
+        raise BaselineError(f"no baseline at {path}; {fix}") from e
     except (OSError, UnicodeDecodeError) as e:
         raise BaselineError(f"cannot read baseline {path}: {e}; {fix}") from e
     try:
         doc = json.loads(text)
     except json.JSONDecodeError as e:
         raise BaselineError(f"baseline {path} is not valid JSON: {_json_problem(e.msg)} at line "
-                            f"{e.lineno}, column {e.colno}; re-{fix}") from None
+                            f"{e.lineno}, column {e.colno}; re-{fix}") from e
     schema = doc.get("schema") if isinstance(doc, dict) else None
     if schema != SCHEMA:
         older = isinstance(schema, str) and schema.startswith("shardlint.baseline/")
@@ -151,7 +151,7 @@ def read_baseline(path: str, how_to_create: str = "shardlint check TARGET --mesh
         mesh = {str(k): int(v) for k, v in dict(doc.get("mesh") or {}).items()}
         jax_version, target = str(doc.get("jax", "")), str(doc.get("target", ""))
     except (KeyError, TypeError, ValueError) as e:
-        raise BaselineError(f"baseline {path} is damaged ({type(e).__name__}: {e}); re-{fix}") from None
+        raise BaselineError(f"baseline {path} is damaged ({type(e).__name__}: {e}); re-{fix}") from e
     keys = [e.key for e in entries]
     if len(set(keys)) != len(keys):
         raise BaselineError(f"baseline {path} lists a key twice; re-{fix}")

@@ -53,7 +53,7 @@ class Library:
             with quiet():
                 return tuple(importlib.import_module(module) for module in self.modules)
         except ImportError as e:
-            raise self.error(f"{self.name} is not installed ({e}); {self.install}") from None
+            raise self.error(f"{self.name} is not installed ({e}); {self.install}") from e
 
     def refuse_other_mesh(self, mesh, theirs: Mapping[str, int], *, way_out: str,
                           owner: str | None = None, shown: str | None = None) -> None:

@@ -116,7 +116,7 @@ def _backbone(Backbone, keys: dict[str, Any]):
     try:
         return Backbone(**keys)
     except (ValueError, TypeError) as e:   # its own checks, and a layout its sizes do not divide
-        raise KerasHubError(f"Qwen3MoeBackbone cannot be built as asked: {described(e)}") from None
+        raise KerasHubError(f"Qwen3MoeBackbone cannot be built as asked: {described(e)}") from e
 
 
 def _batch(batch_size: int, sequence_length: int):

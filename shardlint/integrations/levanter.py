@@ -102,7 +102,7 @@ def make_configs(**keys: Any):
     try:
         return (draccus.decode(MixtralConfig, model_keys), draccus.decode(TrainerConfig, trainer_keys))
     except Exception as e:   # draccus raises its own DecodingError, and the configs' checks others
-        raise LevanterError(f"Levanter rejects the config: {described(e)}") from None
+        raise LevanterError(f"Levanter rejects the config: {described(e)}") from e
 
 
 def _train_step(model_config, trainer_config, mesh, *, vocab_size: int):
@@ -176,7 +176,7 @@ def _mesh(trainer_config, devices: list):
         return create_mesh_from_axis_specs(ici_axes=ici, dcn_axes=dcn, devices=devices)
     except ValueError as e:
         raise LevanterError(f"Levanter cannot lay its mesh over {len(devices)} devices with "
-                            f"axes {dict(trainer_config.mesh.axes)}: {described(e)}") from None
+                            f"axes {dict(trainer_config.mesh.axes)}: {described(e)}") from e
 
 
 def _fields(cls) -> set[str]:

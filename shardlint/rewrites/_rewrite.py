@@ -20,7 +20,7 @@ import jax
 from .._errors import NothingToRewrite, RewriteError, ShardlintError, first_line
 from .._token_axes import TokenAxes
 from .._wrapped import is_nnx_jit
-from .._source import display_path, is_library_file
+from .._source import display_path, is_library_file, raised_by_shardlint
 from .trace import lost_in
 from .routes import NnxRewrittenStep, RewrittenStep, warn_unchanged
 from ._step import JittedStep
@@ -109,12 +109,19 @@ def _build_or_refuse(result: JittedStep, args) -> None:
         result.trace(*args)
     except ShardlintError:
         raise
-    except Exception as e:  # JAX refused what the rewrite emitted
+    except Exception as e:  # JAX refused what the rewrite emitted, or shardlint failed
+        if raised_by_shardlint(e):
+            last = tb.extract_tb(e.__traceback__)[-1]
+            raise RewriteError(
+                f"shardlint failed while tracing the rewritten step{user_frame_of(e.__traceback__)}: "
+                f"{type(e).__name__}: {first_line(e)} (raised at {display_path(last.filename)}:{last.lineno} "
+                f"in {last.name}). The step is left as it is; this is a bug of shardlint's: report it "
+                "with this message and what --traceback prints") from e
         raise RewriteError(
             f"the rewritten step does not trace{user_frame_of(e.__traceback__)}: {type(e).__name__}: "
             f"{first_line(e)}. The step is left as it is; name the token axes with batch_axes=/seq_axes= "
             "(CLI --batch-axes/--seq-axes) if the analysis chose them wrongly, or report it "
-            "with this message") from None
+            "with this message") from e
 
 
 def _jaxpr_route(step, mesh, axes, progress, lost, per_shard_capacity, params_argnums=None):

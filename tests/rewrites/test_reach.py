@@ -278,6 +278,36 @@ def test_jax_refusing_the_emitted_step_is_a_rewrite_error(monkeypatch, mesh):
         shardlint.rewrite(fn, mesh, args=args)
 
 
+def test_shardlint_failing_while_tracing_the_rewritten_step_says_so_and_keeps_the_cause(monkeypatch, mesh, capsys):
+    """An exception raised in shardlint's own code (here a KeyError in its emit stage, as
+    the issue's `KeyError: Var(id=...)` came from its origins pass) is a RewriteError that
+    names it as shardlint's bug, where it was raised, and keeps it as its cause, so that
+    --traceback prints the whole chain."""
+    from shardlint.cli import main
+    from shardlint.rewrites.emit import _emit
+    from shardlint.rewrites.routes import _jaxpr as _rewritten
+
+    def lookup(*flat):
+        raise KeyError("Var(id=1):bool[256,256]")
+
+    lookup.__code__ = lookup.__code__.replace(co_filename=_emit.__file__)   # raised in shardlint's emit
+    monkeypatch.setattr(_rewritten, "emit", lambda plan, mesh: lookup)
+    fn, args = cause_steps.make_scanned_layers_step(mesh)
+    with pytest.raises(shardlint.RewriteError) as raised:
+        shardlint.rewrite(fn, mesh, args=args)
+    message = str(raised.value)
+    assert message.startswith("shardlint failed while tracing the rewritten step")
+    assert "KeyError: 'Var(id=1):bool[256,256]' (raised at shardlint/rewrites/emit/_emit.py:" in message
+    assert "bug of shardlint's" in message and isinstance(raised.value.__cause__, KeyError)
+
+    assert main(["analyze", "shardlint.examples.steps:make_step", "--mesh", "data=2,context=4", "--rewrite",
+                 "--traceback"]) == 2
+    err = capsys.readouterr().err
+    assert "shardlint: error: shardlint failed while tracing the rewritten step" in err
+    assert "KeyError: 'Var(id=1):bool[256,256]'" in err and "The above exception was the direct cause" in err
+    assert 'emit/_emit.py", line' in err     # the frame that raised it, in the printed chain
+
+
 def test_a_layer_inside_custom_jvp_is_reached(mesh):
     # A forward function whose MoE sits in a custom_jvp (a fused layer with its own
     # derivative rule): the body is entered and inlined in the rewritten step.

@@ -238,4 +238,4 @@ def _read(path: str) -> str:
         with open(path, encoding="utf-8", errors="replace") as fh:
             return fh.read()
     except OSError as e:
-        raise AnalysisError(f"cannot read {path}: {e.strerror or e}") from None
+        raise AnalysisError(f"cannot read {path}: {e.strerror or e}") from e

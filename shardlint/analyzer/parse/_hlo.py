@@ -122,7 +122,7 @@ def _view(read) -> property:
         try:
             return read(self)
         except _Unreadable as e:
-            raise HloParseError(e.expected, e.found, self.line) from None
+            raise HloParseError(e.expected, e.found, self.line) from e
 
     return property(get)
 
@@ -368,8 +368,8 @@ def parse_hlo(text: str) -> HloModule:
                             lines[0] if lines else None, 1)
     try:
         frames = parse_stack_frames(lines)
-    except ValueError:  # a table's quoted name that is not C-escaped text
-        raise _table_error(lines) from None
+    except ValueError as e:  # a table's quoted name that is not C-escaped text
+        raise _table_error(lines) from e
     return HloModule(header.group(1), _ModuleReader(lines, frames).computations())
 
 
@@ -449,7 +449,7 @@ class _ModuleReader:
             if _COMP_RE.match(stripped) and e.expected == _INSTRUCTION:
                 e.expected = (f"`}}` closing computation %{current.name} (line "
                               f"{self.opened[current.name]}) before the next one")
-            raise HloParseError(e.expected, line if e.found is None else e.found, number) from None
+            raise HloParseError(e.expected, line if e.found is None else e.found, number) from e
         if instr.name in self.names:
             raise HloParseError(f"a name not used before in %{current.name} (%{instr.name} is "
                                 f"defined at line {self.names[instr.name].line})", line, number)

@@ -203,8 +203,8 @@ def _metadata_int(fields: dict[str, str], key: str) -> int | None:
 def _unquoted(text: str) -> str:
     try:
         return _unquote(text)
-    except ValueError:  # a backslash escape that is not C's
-        raise _Unreadable("a C-escaped quoted string", text) from None
+    except ValueError as e:  # a backslash escape that is not C's
+        raise _Unreadable("a C-escaped quoted string", text) from e
 
 
 def _int_tuple(text: str, key: str = "") -> tuple[int, ...]:

@@ -136,7 +136,7 @@ def _fix(step, name: str, mesh, args: tuple, rules, options: Options, on_fixed: 
                 fixed = shardlint.rewrite(step, mesh, args=args, analysis=before, verify=options.verify,
                                           capacity=capacity, params_argnums=(0,), progress=progress)
             except RewriteError as e:
-                raise RewriteError(f"the rewrite of MaxText's {name} step was refused: {e}") from None
+                raise RewriteError(f"the rewrite of MaxText's {name} step was refused: {e}") from e
         if not fixed.changed:
             on_fixed(Fixed(name, before.memory.temp_bytes, None, 0,
                            unchanged=fixed.notes[-1] if fixed.notes else "nothing to rewrite"))

@@ -128,10 +128,10 @@ def initialize(keys: dict[str, Any], *, keep_maxtext_xla_flags: bool = False):
     except ValueError as e:
         unknown = re.match(r"'(\w+)' not in ", str(e))
         if unknown:
-            raise MaxTextError(_unknown_key(unknown.group(1), str(e))) from None
-        raise MaxTextError(f"MaxText rejects the config: {_reason(e)}") from None
+            raise MaxTextError(_unknown_key(unknown.group(1), str(e))) from e
+        raise MaxTextError(f"MaxText rejects the config: {_reason(e)}") from e
     except (AssertionError, TypeError) as e:
-        raise MaxTextError(f"MaxText rejects the config: {described(e)}") from None
+        raise MaxTextError(f"MaxText rejects the config: {described(e)}") from e
     finally:
         if not keep_maxtext_xla_flags:
             if saved_xla_flags is None:
@@ -145,12 +145,12 @@ def _mesh(config, devices: list):
 
     try:
         return maxtext_utils.get_mesh_from_config(config, devices)
-    except (AssertionError, ValueError):
+    except (AssertionError, ValueError) as e:
         asked = ", ".join(f"{k}={v}" for k, v in _ici_keys(config).items() if v != 1)
         raise MaxTextError(
             f"MaxText cannot lay its mesh over {len(devices)} devices with {asked or 'every ici_* key 1'}: "
             f"the product of the ici_*_parallelism keys (one of them -1 to fill in) must be "
-            f"{len(devices)}") from None
+            f"{len(devices)}") from e
 
 
 def _shaped_inputs(config, mesh):

@@ -138,7 +138,7 @@ class _ShapePass(ShardBinder):
                     raise   # shardlint's own bug: said as one, never as an op that does not bind
                 resized = operands_to_resize(eqn, invals, known_first=known)
                 if resized:
-                    raise ResizeAndRetry(eqn, resized) from None
+                    raise ResizeAndRetry(eqn, resized) from error
                 self.graph.unbound(eqn, f"{type(error).__name__}: {first_line(error)}")
                 outs = self._placeholders(eqn)
         outs = [self._placeholder_as_met(v, x) for v, x in zip(eqn.outvars, outs)]

@@ -117,7 +117,7 @@ def _shapes(global_jaxpr, avals, divided, per_shard_capacity, mesh) -> ShardShap
     except Unfit as e:
         raise RewriteError(f"the step's values do not settle at one shard's shapes ({first_line(e)}); "
                            "pass batch_axes=/seq_axes= naming fewer axes, or report it with this "
-                           "message") from None
+                           "message") from e
 
 
 def token_leaves(args: tuple, tokens: Tokens, mesh, out_avals) -> list[bool]:
