@@ -162,6 +162,20 @@ def raised_by_shardlint(error: BaseException) -> bool:
     return path.is_relative_to(shardlint_dir) and _is_machinery(path.relative_to(shardlint_dir).parts)
 
 
+def located(file: str) -> str | None:
+    """The file on disk that a shown path names (`display_path`'s inverse, in the environment
+    that ran the analysis): as it is, or under the `sys.path` entry it is shown relative to
+    (an installed library's `nano_moe/layers.py`); None where it is not on this machine."""
+    if os.path.isfile(file):
+        return file
+    if not os.path.isabs(file):
+        for entry in sys.path:
+            path = os.path.join(entry or os.curdir, file)
+            if os.path.isfile(path):
+                return path
+    return None
+
+
 def display_path(file: str) -> str:
     """A file as a user reads it: relative to the working directory when it lies under it
     (unless that path runs through an installed package folder, as a virtual environment

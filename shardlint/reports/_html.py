@@ -31,7 +31,7 @@ from .._files import write_text
 from .._format import human_bytes, source_text
 from ..analyzer import Analysis, Collective, Finding, Source, helper_frames, peak_lines, scope_tree
 from .._op_paths import normalize_op_path
-from .._source import shown_frames
+from .._source import located, shown_frames
 from ..gate import CollectiveKey, collective_key
 from ._svg import memory_chart_svg, neighbourhood_svg
 from ._text import verb_phrase
@@ -228,11 +228,13 @@ def diff_summary(rows: list[dict[str, Any]]) -> dict[str, dict[str, int]]:
 # -------------------------------------------------------------------------- findings
 
 def snippet(source: Source | None, radius: int = _SNIPPET_RADIUS) -> list[dict[str, Any]] | None:
-    """The lines around file:line, read from disk; None when the file is not here."""
-    if source is None or not source.file or not os.path.isfile(source.file):
+    """The lines around file:line, read from disk (the user's file, or an installed
+    library's, `located`); None when the file is not here."""
+    path = located(source.file) if source is not None and source.file else None
+    if path is None:
         return None
-    linecache.checkcache(source.file)
-    lines = linecache.getlines(source.file)
+    linecache.checkcache(path)
+    lines = linecache.getlines(path)
     if not 1 <= source.line <= len(lines):
         return None
     lo, hi = max(1, source.line - radius), min(len(lines), source.line + radius)
