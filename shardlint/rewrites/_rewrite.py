@@ -66,7 +66,7 @@ def rewrite(step: Callable, mesh, *, verify: bool | None = None, args: tuple | N
     given = TokenAxes(tuple(batch_axes or ()), tuple(seq_axes or ())) if batch_axes or seq_axes else None
     lost = None
     if args is not None and (given is None or analysis is not None):
-        lost = lost_in(step, args, progress, analysis, params_argnums)
+        lost = lost_in(step, args, progress, analysis, params_argnums, given)
     axes = given or (lost.axes if lost else None)
     per_shard = capacity == "per-shard"
     swapped = None if args is not None and axes is None else swap_moe_layers(

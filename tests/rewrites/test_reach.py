@@ -37,6 +37,12 @@ CASES = {
     "scatter dispatch, scanned": (rewrite_steps.make_scanned_scatter_step, {}, {}),
     # JAX hands the scan one table per shard and two globally: the traces pair by use.
     "size-cached tables, scanned+remat": (rewrite_steps.make_size_cached_tables_step, {}, {}),
+    # Every expert on every token, then the top-k outputs picked by advanced indexing.
+    "every expert, then pick": (rewrite_steps.make_every_expert_step, {}, {}),
+    "every expert, then pick; scan+remat": (cause_steps.make_scanned_layers_step,
+                                            {"moe": rewrite_steps.every_expert_moe}, {}),
+    "nnx.scan + nnx.remat, every expert, then pick": (cause_steps.make_nnx_step,
+                                                      {"scanned": True, "moe": rewrite_steps.every_expert_moe}, {}),
     # GShard capacity, opted in to per-shard capacity; at this factor nothing drops.
     "gshard, per-shard capacity": (rewrite_steps.make_gshard_step, {"capacity_factor": 4.0},
                                    {"capacity": "per-shard"}),
@@ -65,7 +71,9 @@ def test_no_lost_sharding_is_left(name):
     assert after.findings == ()
     # What gathers are left move weights (FSDP) as the code asked, never activations.
     assert {c.cause for c in after.all_gathers()} <= {"weights"}
-    if not name.startswith("scatter"):  # there the activations were sharded all along
+    if name.startswith("every expert"):   # its expert einsums kept their tokens sharded:
+        assert after.memory.temp_bytes < before.memory.temp_bytes   # the routing and the pick gathered
+    elif not name.startswith("scatter"):  # there the activations were sharded all along
         assert after.memory.temp_bytes < before.memory.temp_bytes / 2
 
 

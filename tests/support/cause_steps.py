@@ -14,6 +14,8 @@ written as users write it, not as shardlint would.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding
@@ -137,7 +139,7 @@ def make_gather_dispatch_step(mesh):
     return _loss_step(_gather_moe), (_moe_params(mesh), _batch(mesh))
 
 
-def make_scanned_layers_step(mesh, remat: bool = True):
+def make_scanned_layers_step(mesh, remat: bool = True, moe=None):
     """`lax.scan` over LAYERS stacked routed-MoE layers (each flattens (batch, seq)).
 
     All but the loss ARs sit in the while bodies (once per layer). Forward body: `lost`
@@ -149,8 +151,10 @@ def make_scanned_layers_step(mesh, remat: bool = True):
     `# <- scan`) and AR of the w_gate gradient. remat=False: 10 collectives, not 15.
     """
 
+    moe = moe or functools.partial(routed_moe, top_k=TOP_K)
+
     def layer(x_BSD, params):
-        return x_BSD + routed_moe(params, x_BSD, TOP_K), None
+        return x_BSD + moe(params, x_BSD), None
 
     body = jax.checkpoint(layer) if remat else layer
 
@@ -184,7 +188,7 @@ def make_prejitted_step(mesh):
     return step, (params, x)
 
 
-def make_nnx_step(mesh, concrete: bool = False, scanned: bool = False):
+def make_nnx_step(mesh, concrete: bool = False, scanned: bool = False, moe=None):
     """A Flax NNX routed MoE (flattens (batch, seq)) trained with `nnx.Optimizer` (adam).
 
     `nnx.jit`-ed `train_step(model, optimizer, x)`; model and optimizer come from
@@ -210,7 +214,7 @@ def make_nnx_step(mesh, concrete: bool = False, scanned: bool = False):
 
         def __call__(self, x_BSD):
             weights = {"w_gate": self.w_gate[...], "w_in": self.w_in[...], "w_out": self.w_out[...]}
-            return routed_moe(weights, x_BSD, TOP_K)  # <- nnx moe
+            return (moe or functools.partial(routed_moe, top_k=TOP_K))(weights, x_BSD)  # <- nnx moe
 
     class Decoder(nnx.Module):
         def __init__(self, rngs: nnx.Rngs):

@@ -38,7 +38,10 @@ class Lost:
 
 
 
-def lost_in(step, args, progress, analysis=None, params_argnums=None) -> Lost:
+def lost_in(step, args, progress, analysis=None, params_argnums=None, given: TokenAxes | None = None) -> Lost:
+    """Where `step` loses the sharding in routed code; `given` are the token axes the
+    caller named (`batch_axes=`/`seq_axes=`), which choose among lossy ops that see the
+    tokens sharded in different ways."""
     from ...analyzer import analyze
 
     if analysis is None:
@@ -50,30 +53,51 @@ def lost_in(step, args, progress, analysis=None, params_argnums=None) -> Lost:
     # A flatten of (batch, seq) before the experts, with its batch or sequence sharded (a
     # lost reshape of other dimensions, attention's heads split off a score tensor, feeds
     # no grouped matmul).
-    flattens = [t for f in lost if f.op == "reshape" and f.feeds_grouped_matmul and len(f.operand_spec) >= 2
+    flattens = [(t, f) for f in lost if f.op == "reshape" and f.feeds_grouped_matmul and len(f.operand_spec) >= 2
                 for t in [_tokens_of(f)] if t.axes.all]
     # A routing op on (batch, seq, ...): its first two dimensions' axes, the batch's alone
     # where only the batch is sharded. On flattened tokens (a flatten that kept them sharded:
     # the batch alone, or one batch row per device), the token dimension's axes, split into
     # batch and sequence as the argument the tokens come from has them.
-    routing = [t for f in lost if f.op in ROUTING_FINDING_OPS and _on_routed_path(f)
+    routing = [(t, f) for f in lost if f.op in ROUTING_FINDING_OPS and _on_routed_path(f)
                for t in [_tokens_of(f) if len(f.operand_spec) >= 3
                          else _flat_tokens(f, args, analysis) if f.feeds_grouped_matmul else None]
                if t is not None and t.axes.all]
     # A dispatch that sums tokens into capacity slots (`contracted-tokens`): its tokens'
     # operand, (batch, seq, ...).
-    contracted = [t for f in lost if f.kind == FindingKind.CONTRACTED for t in [_tokens_of(f)] if t.axes.all]
-    found = {t.axes: dataclasses.replace(t, roles=analysis.argument_roles)
-             for t in reversed((flattens or routing) + contracted)}   # the first finding's sizes
+    contracted = [(t, f) for f in lost if f.kind == FindingKind.CONTRACTED for t in [_tokens_of(f)] if t.axes.all]
+    found = {t.axes: (dataclasses.replace(t, roles=analysis.argument_roles), f)
+             for t, f in reversed((flattens or routing) + contracted)}   # the first finding's
     # A finding that sees some of the token axes (a flatten of tokens whose sequence was
     # gathered before it: the batch's axes alone) says less than one that sees them all.
     found = {axes: t for axes, t in found.items()
              if not any(set(axes.all) < set(other.all) for other in found)}
+    if len(found) > 1 and given is not None:
+        found = {axes: t for axes, t in found.items() if (axes.batch, axes.seq) == (given.batch, given.seq)}
+        if not found:
+            raise RewriteError(f"no lossy op sees the tokens as --batch-axes/--seq-axes name them "
+                               f"({_described(given)}); name them as one of the ways above does")
     if len(found) > 1:
-        raise RewriteError(f"the lossy ops are sharded differently "
-                           f"({sorted((a.batch, a.seq) for a in found)}); pass batch_axes= and "
-                           "seq_axes= to choose")
-    return Lost(next(iter(found.values())) if found else None, lines)
+        ways = "; ".join(f"{_described(axes)} ({f.op} at {f.source or 'no source line'})"
+                         for axes, (_, f) in found.items())
+        advice = " or ".join(_flags(a) for a in found)
+        raise RewriteError(f"the routed layers' lossy ops see the tokens sharded {len(found)} ways: {ways}. "
+                           f"Name the one to rewrite: {advice} (the API's batch_axes=/seq_axes=)")
+    return Lost(next(iter(found.values()))[0] if found else None, lines)
+
+
+def _flags(axes: TokenAxes) -> str:
+    """`--batch-axes data --seq-axes context`: the command line that names `axes`."""
+    return " ".join(f"--{flag} {','.join(names)}" for flag, names in
+                    (("batch-axes", axes.batch), ("seq-axes", axes.seq)) if names)
+
+
+def _described(axes: TokenAxes) -> str:
+    """`batch over data, sequence over context` (`... unsharded` for no axes)."""
+    def over(names):
+        return f"over {', '.join(names)}" if names else "unsharded"
+
+    return f"batch {over(axes.batch)}, sequence {over(axes.seq)}"
 
 
 def _on_routed_path(finding) -> bool:
