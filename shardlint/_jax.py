@@ -12,7 +12,7 @@ import warnings
 import jax
 import numpy as np
 
-from ._source import is_jax_shim
+from ._source import display_path, is_jax_shim
 
 
 def kept_argument_indices(lowered, count: int) -> tuple[int, ...]:
@@ -137,6 +137,13 @@ def user_frame(eqn) -> tuple[str, int] | None:
     frames = source_info_util.user_frames(traceback) if traceback else ()
     frame = next((f for f in frames if not is_jax_shim(f.file_name, f.function_name)), None)
     return (frame.file_name, frame.start_line) if frame else None
+
+
+def eqn_line(eqn) -> str:
+    """` at file:line` of the user's line that traced `eqn` ("" where none did), for one-line
+    messages about an equation."""
+    frame = user_frame(eqn)
+    return f" at {display_path(frame[0])}:{frame[1]}" if frame else ""
 
 
 @contextlib.contextmanager

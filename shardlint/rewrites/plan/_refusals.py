@@ -12,7 +12,6 @@ from ... import _jax
 from ..._errors import RewriteError
 from ..._ops import CUMULATIVE_PRIMITIVES
 from ..._token_axes import as_axes
-from ..._source import display_path
 from ...jaxpr import is_literal, sub_of, variables
 
 # Producers whose non-token result is a sum over tokens: psum across shards restores it.
@@ -26,17 +25,12 @@ CAPACITY_WAY_OUT = ("Compute capacity per group of tokens (per shard), use a dro
                     "or opt in with capacity='per-shard' (CLI --per-shard-capacity) to let each "
                     "shard drop by its own capacity")
 
-def user_line(eqn) -> str:
-    frame = _jax.user_frame(eqn)
-    return f" at {display_path(frame[0])}:{frame[1]}" if frame else ""
-
-
 def refuse_token_coupling(eqns, region, specs) -> None:
     """A running total over tokens (capacity positions) differs per shard: refuse."""
     for i in sorted(region):
         eqn = _coupling_eqn(eqns[i], specs)
         if eqn is not None:
-            where = user_line(eqn) or user_line(eqns[i])  # a jitted helper's caller
+            where = _jax.eqn_line(eqn) or _jax.eqn_line(eqns[i])  # a jitted helper's caller
             raise RewriteError(
                 f"{eqn.primitive.name} over the token dimension{where} couples all tokens "
                 "(a capacity or position computed globally): per shard it would give different "
@@ -84,7 +78,7 @@ def refuse_unsure(eqns, region, stand_ins, guessed, specs, axes, unbound) -> Non
         var, verb = (made, "makes") if made is not None else (read, "reads")
         if var is not None:
             raise RewriteError(
-                f"{eqn.primitive.name}{user_line(eqn)} in the routed region {verb} "
+                f"{eqn.primitive.name}{_jax.eqn_line(eqn)} in the routed region {verb} "
                 f"{var.aval.str_short()}, whose part on each shard is not known: it is "
                 "built from a configured length (a table, a mask), or by an op that does "
                 "not run at one shard's shapes, or splits the tokens where nothing else "
@@ -101,21 +95,21 @@ def _flattened(spec, axes) -> bool:
 
 def refuse_unbound(eqn, why: str) -> None:
     raise RewriteError(
-        f"{eqn.primitive.name}{user_line(eqn)} in the routed region does not run at one shard's "
+        f"{eqn.primitive.name}{_jax.eqn_line(eqn)} in the routed region does not run at one shard's "
         f"shapes ({why}): its sizes come from the configuration, not from its input. Compute "
         "them from the input's shape (x.shape[1]) inside the layer, or move the op out of it")
 
 
 def refuse_global_capacity(eqn, var) -> None:
     raise RewriteError(
-        f"{var.aval.str_short()}{user_line(eqn)} has a second dimension that grows with the "
+        f"{var.aval.str_short()}{_jax.eqn_line(eqn)} has a second dimension that grows with the "
         "number of tokens (a capacity computed from all tokens?): per shard it would be smaller "
         f"and drop different tokens, so this region is left alone. {CAPACITY_WAY_OUT}")
 
 
 def refuse_capacity_exit(eqn, var) -> None:
     raise RewriteError(
-        f"{var.aval.str_short()}{user_line(eqn)} has a dimension sized by one shard's capacity "
+        f"{var.aval.str_short()}{_jax.eqn_line(eqn)} has a dimension sized by one shard's capacity "
         "(capacity='per-shard') and is used outside the routed region, where the step expects "
         "the capacity of all tokens. Contract the capacity dimension (the combine back to "
         "(batch, seq, ...)) inside the layer and return only that, or compute capacity per "
@@ -124,7 +118,7 @@ def refuse_capacity_exit(eqn, var) -> None:
 
 def refuse_position_exit(eqn, var) -> None:
     raise RewriteError(
-        f"a running total over a shard's tokens ({var.aval.str_short()}{user_line(eqn)}: a "
+        f"a running total over a shard's tokens ({var.aval.str_short()}{_jax.eqn_line(eqn)}: a "
         "token's position in its expert, with capacity='per-shard') leaves the routed region; "
         "outside it the step would compare it with the capacity of all tokens. Keep what reads "
         "the positions (the capacity masks, dispatch and combine) inside the layer and return "
@@ -133,7 +127,7 @@ def refuse_position_exit(eqn, var) -> None:
 
 def refuse_shard_ordered_exit(eqn, var) -> None:
     raise RewriteError(
-        f"a per-shard value ({var.aval.str_short()}{user_line(eqn)}: tokens in per-shard order, "
+        f"a per-shard value ({var.aval.str_short()}{_jax.eqn_line(eqn)}: tokens in per-shard order, "
         "or positions within a shard) leaves the routed region; outside it, it would mean "
         "something else. Reshape tokens back to (batch, seq, ...) inside the layer; where a "
         "layer saves it for its backward, wrap the layer in jax.checkpoint so that the backward "
@@ -145,7 +139,7 @@ def require_linear(var, eqns, producer, mine, scaled) -> None:
         return
     p = producer.get(var)
     name = eqns[p].primitive.name if p is not None else "?"
-    where = user_line(eqns[p]) if p is not None else ""
+    where = _jax.eqn_line(eqns[p]) if p is not None else ""
     raise RewriteError(
         f"the routed region produces {var.aval.str_short()} (by {name}{where}) that is used "
         "outside it and is not a plain sum over tokens, so a per-shard result cannot be "

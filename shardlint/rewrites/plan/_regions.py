@@ -26,6 +26,7 @@ import math
 
 from jax.sharding import PartitionSpec as P
 
+from ... import _jax
 from ..._errors import RewriteError
 from ..._token_axes import TokenAxes, as_axes
 from . import _refusals
@@ -161,7 +162,7 @@ class _Planner:
                 elif a in stacked:
                     if stacked[a] != sliced:
                         raise RewriteError(f"a per-shard value ({a.aval.str_short()}) saved by a "
-                                           f"routed layer is passed on{_refusals.user_line(eqn)} in a "
+                                           f"routed layer is passed on{_jax.eqn_line(eqn)} in a "
                                            "form the rewrite does not follow; wrap the layer in "
                                            "jax.checkpoint")
                     sub_stacked.add(inner)
@@ -179,7 +180,7 @@ class _Planner:
             if not inner.changed:
                 if sub_shard_ordered or sub_stacked:
                     raise RewriteError(f"a per-shard value saved by a routed layer reaches "
-                                       f"{eqn.primitive.name}{_refusals.user_line(eqn)}, which computes "
+                                       f"{eqn.primitive.name}{_jax.eqn_line(eqn)}, which computes "
                                        "no routed region with it; wrap the layer in jax.checkpoint")
                 continue
             level.subs[i] = inner
@@ -191,7 +192,7 @@ class _Planner:
     @staticmethod
     def _refuse_carry(eqn, var):
         raise RewriteError(f"a per-shard value ({var.aval.str_short()}) is carried from one layer "
-                           f"to the next{_refusals.user_line(eqn)}; the rewrite keeps carries "
+                           f"to the next{_jax.eqn_line(eqn)}; the rewrite keeps carries "
                            "global. Return it per (batch, seq) from the layer")
 
 

@@ -16,6 +16,7 @@ import math
 import numpy as np
 
 from ... import _jax
+from ..._errors import RewriteError, ShardlintError, first_line
 from ..shard import FOLLOWS_FIRST, Unfit, elementwise, fitted, reshaped
 from ...jaxpr import is_literal, sub_of, variables
 
@@ -45,19 +46,32 @@ class Graph:
         self.producer: dict = {}
         self.constants: dict = {}  # constvar -> its value
         self.outer: dict = {}     # body input -> (the call's operand, whether one slice of it)
+        self.caller: dict = {}    # id(a body's equation) -> the equation whose body it is in
         self._index(jaxpr, consts)
 
-    def _index(self, jaxpr, consts) -> None:
+    def _index(self, jaxpr, consts, caller=None) -> None:
         self.constants.update(zip(jaxpr.constvars, consts))
         for eqn in jaxpr.eqns:
             self.producer.update((v, eqn) for v in eqn.outvars)
+            if caller is not None:
+                self.caller[id(eqn)] = caller
             sub = sub_of(eqn)
             if sub is None:
                 continue
             for k, (a, inner) in enumerate(zip(eqn.invars, sub.jaxpr.invars)):
                 if not is_literal(a):
                     self.outer[inner] = (a, sub.stacks and k >= sub.sliced_from)
-            self._index(sub.jaxpr, sub.consts)
+            self._index(sub.jaxpr, sub.consts, eqn)
+
+    def line_of(self, eqn) -> str:
+        """` at file:line` of the user's line that traced `eqn`, or of the call it is in (an
+        op inside a jitted helper, `jnp.where`'s, has none of its own)."""
+        while eqn is not None:
+            line = _jax.eqn_line(eqn)
+            if line:
+                return line
+            eqn = self.caller.get(id(eqn))
+        return ""
 
     def iota_dimension(self, var) -> int | None:
         """The dimension of `var` along which it counts 0, 1, 2, ... where it is an iota
@@ -103,6 +117,14 @@ class Graph:
         except Unfit as e:
             self.sizes, self.stand_ins, self.placeholders = sizes, stand_ins, placeholders
             self.unbound(resize.eqn, str(e))
+        except ShardlintError:
+            raise
+        except Exception as e:   # shardlint's own bug: said with the op it was working on
+            raise RewriteError(
+                f"shardlint failed making the operands of {resize.eqn.primitive.name}"
+                f"{self.line_of(resize.eqn)} again at one shard's shapes: {type(e).__name__}: "
+                f"{first_line(e)}. The step is left as it is; this is a bug of shardlint's: report it "
+                "with this message and what --traceback prints") from e
 
     def _rebuild(self, var, shape: tuple, shapes: dict, done: set) -> None:
         if var in done:
@@ -136,7 +158,7 @@ class Graph:
         eqn = self.producer.get(var)
         if eqn is None:   # a body's input: the call's operand
             operand, sliced = self.outer[var]
-            return [(operand, (shapes[operand][0], *shape) if sliced else shape)]
+            return [(operand, (_now(operand, shapes)[0], *shape) if sliced else shape)]
         if id(eqn) in self.opaque:
             raise Unfit(f"{var.aval.str_short()} is made by {eqn.primitive.name}, which does not bind per shard")
         name = eqn.primitive.name
@@ -153,7 +175,7 @@ class Graph:
             return []
         if name == "reshape":
             operand = eqn.invars[0]
-            if math.prod(shape) == math.prod(shapes[operand]):
+            if math.prod(shape) == math.prod(_now(operand, shapes)):
                 return []
             return [(operand, reshaped(var.aval.shape, shape, operand.aval.shape)[0])]
         if name == "broadcast_in_dim":
@@ -165,15 +187,21 @@ class Graph:
             rest = iter(shape)
             operand = eqn.invars[0]
             return [(operand, tuple(n if d in eqn.params["axes"] else next(rest)
-                                    for d, n in enumerate(shapes[operand])))]
+                                    for d, n in enumerate(_now(operand, shapes))))]
         if name == "concatenate":
             axis = eqn.params["dimension"]
-            return [(a, shape[:axis] + (shapes[a][axis],) + shape[axis + 1:]) for a in operands]
+            return [(a, shape[:axis] + (_now(a, shapes)[axis],) + shape[axis + 1:]) for a in operands]
         if elementwise(eqn) or name in FOLLOWS_FIRST:
             wanted_of = [(a, fitted(a.aval.shape, var.aval.shape, shape))
                          for a in (operands[:1] if name in FOLLOWS_FIRST else operands)]
             return [(a, wanted) for a, wanted in wanted_of if wanted is not None]
         raise Unfit(f"{var.aval.str_short()} made by {name} meets a value of another size")
+
+
+def _now(var, shapes: dict) -> tuple:
+    """`var`'s shape in this pass; its global one where the pass has not made it (a jitted
+    helper's result, made from nothing, that no op has met at another size yet)."""
+    return shapes.get(var, var.aval.shape)
 
 
 def _made_at_any_size(value) -> bool:
