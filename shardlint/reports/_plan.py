@@ -149,6 +149,38 @@ def write_plan_json(plan: Plan, path: str) -> None:
     write_text(path, json.dumps(plan.to_json(), indent=1) + "\n")
 
 
+def read_plan_json(path: str) -> Plan:
+    """A plan `write_plan_json` wrote (`shardlint.plan/1`), as its records again."""
+    with open(path, encoding="utf-8") as fh:
+        return plan_of(json.load(fh), path)
+
+
+def plan_of(doc: dict, where: str = "the document") -> Plan:
+    """The records of a plan's JSON document (`Plan.to_json`)."""
+    from .._errors import UsageError
+
+    if doc.get("schema") != PLAN_SCHEMA:
+        raise UsageError(f"{where} is not a plan ({PLAN_SCHEMA}): its schema is {doc.get('schema')!r}")
+
+    def side(d):
+        return None if d is None else PlanSide(**d)
+
+    def point(d):
+        return None if d is None else PlanPoint(**{**d, "before": side(d["before"]), "after": side(d["after"])})
+
+    def longest(d):
+        return None if d is None else Longest(**{**d, "tried": tuple(map(point, d["tried"]))})
+
+    found, best = doc["longest"], doc["best"]
+    return Plan(target=doc["target"], topology=doc["topology"], limit_bytes=doc["limit_bytes"],
+                grid={k: tuple(v) for k, v in doc["grid"].items()},
+                rows=tuple(PlanRow(grid=r["grid"], point=point(r["point"]), longest=longest(r["longest"]))
+                           for r in doc["rows"]),
+                longest_key=found and found["key"],
+                longest_range=found and (found["lo"], found["hi"], found["step"]),
+                best=best and best["row"], rule=best["rule"] if best else "")
+
+
 def render_plan_html(plan: Plan) -> str:
     """The plan as one self-contained page: a table a person can scan (the best row marked)
     and, with a search over a grid, the longest value that fits against the first grid key."""

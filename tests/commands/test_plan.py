@@ -166,6 +166,19 @@ def test_the_plan_finds_the_longest_sequence_before_and_after_the_fix(searched):
     assert "[1/2]" in done.stderr and "left" in done.stderr
 
 
+def test_a_written_plan_reads_back_as_the_same_records(searched, tmp_path):
+    from shardlint.reports import format_plan, read_plan_json, write_plan_json
+
+    done, doc, _ = searched
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(doc))
+    plan = read_plan_json(str(path))
+    assert json.loads(json.dumps(plan.to_json())) == doc
+    assert format_plan(plan) + "\n" == done.stdout
+    write_plan_json(plan, str(tmp_path / "again.json"))
+    assert json.loads((tmp_path / "again.json").read_text()) == doc
+
+
 def test_the_plan_page_has_the_table_and_the_chart(searched):
     _, doc, page = searched
     assert page.count('<tr class="') == len(doc["rows"]) and 'data-best="1"' in page
