@@ -4,8 +4,11 @@ A sweep re-runs the target at each value of one mesh axis or one of its options 
 keys, such as MaxText's `ici_context_parallelism`). Over a mesh axis the device count
 changes from point to point; JAX fixes its device count when the backend starts, so
 `start_devices` asks for the largest mesh the sweep needs and starts the backend at
-once; a later, smaller request (the CLI's own set-up) then finds enough devices. The
-result is the structure `shardlint.reports` draws (`reports._sweep`).
+once; a later, smaller request (the CLI's own set-up) then finds enough devices. The points
+run on the plan's engine (`_engine`): one after another in this process by default, or each
+in a process of its own (`--jobs`, `--ray`), where a point starts JAX at its own device
+count (`MeshPoints`). The result is the structure `shardlint.reports` draws
+(`reports._sweep`).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from typing import Any, Callable
 
 from .._errors import NothingToRewrite, RewriteError, ShardlintError, UsageError, first_line
 from ..analyzer import Analysis
+from ._engine import Engine, Failed
 
 Progress = Callable[[str], None]
 
@@ -147,15 +151,13 @@ def analyze_point(point: SweepPoint) -> Pair:
 def run_sweep(key: str, values: tuple[int, ...], build_point: Callable[[int], tuple], *,
               rewrite: bool = True, progress: Progress | None = None,
               known: dict[int, Pair] | None = None,
-              rewrite_options: dict[str, Any] | None = None, engine=None) -> dict[str, Any]:
+              rewrite_options: dict[str, Any] | None = None, engine: Engine | None = None) -> dict[str, Any]:
     """Analyzes the step at each value of `key` (and with `rewrite`, the rewritten step);
     `build_point(value)` returns that point's `(mesh, step, args)`, `known` holds points
     already analyzed (by value). The points run on `engine` (`_engine.Engine`, the plan's;
     default: one after another in this process). Returns `{"axis": key, "points": [...]}`
     (`reports._sweep`): a point where the rewrite changes nothing has the step itself as
     its after side; one where it is refused has none, and says why (`refused`)."""
-    from ._engine import Engine, Failed
-
     known = dict(known or {})
     engine = engine or Engine(jobs=0, progress=progress)
     todo = [v for v in values if v not in known]
