@@ -109,6 +109,9 @@ def _parser() -> argparse.ArgumentParser:
     _add_topology(p)
     _add_rewrite_options(p)
     _add_engine(p, jobs=1, default="1")
+    p.add_argument("--cache", metavar="DIR",
+                   help="keep each point's result in DIR and read it back where the same point "
+                        "(options, mesh, sides, limit; shardlint, JAX and libtpu versions) comes again")
     p.add_argument("--json", metavar="FILE", help="write the plan (shardlint.plan/1)")
     p.add_argument("--out", metavar="FILE", help="write the plan as an HTML page")
     p = sub.add_parser("demo", parents=[common], help="run the whole story on the built-in example: analyze, "

@@ -29,6 +29,7 @@ from ._model import Neighbourhood as Neighbourhood
 from ._model import Requested as Requested
 from ._model import SCHEMA as SCHEMA
 from .compile import in_context_as_jit as in_context_as_jit
+from .compile import libtpu_version as libtpu_version
 from .compile import mesh_of as mesh_of
 from .compile import parameter_argnums as parameter_argnums
 from .compile import topology_devices as topology_devices

@@ -17,12 +17,15 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import itertools
 import json
+import os
 import re
 from typing import Any
 
 from .._errors import UsageError, first_line
+from .._files import write_text
 from .._format import progress
 from ..reports import Longest, Plan, PlanPoint, PlanRow, PlanSide, format_plan
 from ._engine import Engine, Failed, engine_of
@@ -229,10 +232,10 @@ def run_plan(args, engine: Engine) -> Plan:
     points = grid_points(words)
     specs = [_spec(args, axes, point, options) for point in points]
     if longest is None:
-        found = engine.map(evaluate, [s(SIDES) for s in specs], [_label(p) for p in points])
+        found = _compiled(engine, [s(SIDES) for s in specs], [_label(p) for p in points], args.cache)
         rows = [PlanRow(grid=p, point=_point(p, r)) for p, r in zip(points, found)]
     else:
-        rows = _search(engine, specs, points, longest)
+        rows = _search(engine, specs, points, longest, args.cache)
     best = best_row(rows)
     return Plan(target=args.target, topology=args.topology, limit_bytes=_limit(args),
                 grid=grid, rows=tuple(rows), longest_key=longest[0] if longest else None,
@@ -256,7 +259,7 @@ def _spec(args, axes: dict[str, int], point: dict, rewrite: dict):
     return make
 
 
-def _search(engine: Engine, specs, points: list[dict], longest) -> list[PlanRow]:
+def _search(engine: Engine, specs, points: list[dict], longest, cache: str | None) -> list[PlanRow]:
     """Rounds of probes: each round compiles every unfinished side's next value at once."""
     key, lo, hi, step = longest
     fits = {(i, side): {} for i in range(len(points)) for side in SIDES}
@@ -274,8 +277,8 @@ def _search(engine: Engine, specs, points: list[dict], longest) -> list[PlanRow]
         order = list(probes)
         if engine.progress:
             engine.progress(f"longest {key}, round {round_number}: {len(order)} point(s) to compile")
-        found = engine.map(evaluate, [specs[i](tuple(probes[(i, v)]), (key, v)) for i, v in order],
-                           [_label({**points[i], key: v}, probes[(i, v)]) for i, v in order])
+        found = _compiled(engine, [specs[i](tuple(probes[(i, v)]), (key, v)) for i, v in order],
+                          [_label({**points[i], key: v}, probes[(i, v)]) for i, v in order], cache)
         for (i, value), result in zip(order, found):
             point = _point({**points[i], key: value}, result)
             tried[i].append(point)
@@ -289,6 +292,44 @@ def _search(engine: Engine, specs, points: list[dict], longest) -> list[PlanRow]
                                             after=longest_fitting(fits[(i, "after")]),
                                             tried=tuple(sorted(tried[i], key=lambda t: t.values[key]))))
             for i, p in enumerate(points)]
+
+
+def _compiled(engine: Engine, specs: list[PointSpec], labels: list[str], cache: str | None) -> list:
+    """Each point evaluated on the engine, or read from `cache` (a folder: `--cache`) where
+    the same point was compiled before by the same shardlint, JAX and libtpu; what the
+    engine compiles is written there. A point that failed is not kept (it may have run out
+    of memory beside others)."""
+    if cache is None:
+        return engine.map(evaluate, specs, labels)
+    from ..reports import point_of
+
+    os.makedirs(cache, exist_ok=True)
+    paths = [os.path.join(cache, f"{_key(spec)}.json") for spec in specs]
+    found: list = [None] * len(specs)
+    for i, path in enumerate(paths):
+        if os.path.exists(path):
+            with open(path, encoding="utf-8") as fh:
+                found[i] = point_of(json.load(fh))
+            if engine.progress:
+                engine.progress(f"{labels[i]}: compiled before, read from {path}")
+    todo = [i for i, point in enumerate(found) if point is None]
+    for i, result in zip(todo, engine.map(evaluate, [specs[i] for i in todo], [labels[i] for i in todo])):
+        found[i] = result
+        if not isinstance(result, Failed):
+            write_text(paths[i], json.dumps(dataclasses.asdict(result), indent=1) + "\n")
+    return found
+
+
+def _key(spec: PointSpec) -> str:
+    """What a point's result depends on: its spec and the compiler's versions."""
+    import jax
+
+    from ..analyzer import libtpu_version
+    from .. import __version__
+
+    versions = [__version__, jax.__version__, libtpu_version() if spec.topology else None]
+    text = json.dumps([dataclasses.asdict(spec), versions], sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:24]
 
 
 def _point(values: dict, result) -> PlanPoint:

@@ -19,5 +19,6 @@ from ._plan import PlanSide as PlanSide
 from ._plan import Longest as Longest
 from ._plan import write_plan_html as write_plan_html
 from ._plan import plan_of as plan_of
+from ._plan import point_of as point_of
 from ._plan import read_plan_json as read_plan_json
 from ._plan import write_plan_json as write_plan_json

@@ -149,6 +149,14 @@ def write_plan_json(plan: Plan, path: str) -> None:
     write_text(path, json.dumps(plan.to_json(), indent=1) + "\n")
 
 
+def point_of(doc: dict) -> PlanPoint:
+    """A point's record from its JSON (`dataclasses.asdict` of a PlanPoint)."""
+    def side(d):
+        return None if d is None else PlanSide(**d)
+
+    return PlanPoint(**{**doc, "before": side(doc["before"]), "after": side(doc["after"])})
+
+
 def read_plan_json(path: str) -> Plan:
     """A plan `write_plan_json` wrote (`shardlint.plan/1`), as its records again."""
     with open(path, encoding="utf-8") as fh:
@@ -162,11 +170,8 @@ def plan_of(doc: dict, where: str = "the document") -> Plan:
     if doc.get("schema") != PLAN_SCHEMA:
         raise UsageError(f"{where} is not a plan ({PLAN_SCHEMA}): its schema is {doc.get('schema')!r}")
 
-    def side(d):
-        return None if d is None else PlanSide(**d)
-
     def point(d):
-        return None if d is None else PlanPoint(**{**d, "before": side(d["before"]), "after": side(d["after"])})
+        return None if d is None else point_of(d)
 
     def longest(d):
         return None if d is None else Longest(**{**d, "tried": tuple(map(point, d["tried"]))})
