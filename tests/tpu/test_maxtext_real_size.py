@@ -87,3 +87,28 @@ def test_context_8_with_one_sequence_per_fsdp_shard_is_rewritten():
     before, after = _point(8, per_device_batch_size=0.125)
     assert _dispatches(before) and not _dispatches(after)
     assert after.memory.temp_bytes < before.memory.temp_bytes
+
+
+def test_the_plan_at_one_real_size_point_fits_after_the_fix_where_it_did_not_before(tmp_path):
+    """`shardlint plan` as docs/plan.md runs it, at one real-size point: one layer of the
+    preset at context 8 with one 32768-token sequence per chip, against a limit between
+    what the step needs as written and fixed (the no-fit analysis above: about 105 GiB of
+    temporaries as written, context 1's once fixed). The point's process loads libtpu beside
+    this one's (ALLOW_MULTIPLE_LIBTPU_LOAD, set by the engine)."""
+    import json
+    import subprocess
+    import sys
+
+    words = [f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in CONFIG.items()]
+    done = subprocess.run(
+        [sys.executable, "-m", "shardlint", "plan", "shardlint.integrations.maxtext:make_step",
+         "--topology", TOPOLOGY, *[w for word in words for w in ("--set", word)],
+         "--set", "allow_split_physical_axes=true", "--grid", "ici_context_parallelism=8",
+         "--per-shard-capacity", "--json", str(tmp_path / "plan.json")],
+        capture_output=True, text=True, timeout=1800, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    row, = json.loads((tmp_path / "plan.json").read_text())["rows"]
+    point = row["point"]
+    assert not point["before"]["fits"] and point["before"]["refused"]     # libtpu refused it
+    assert point["after"]["fits"] and point["regions"] >= 1
+    assert point["after"]["need_bytes"] < point["before"]["need_bytes"] / 2
