@@ -17,9 +17,10 @@ search).
 
 This runs the command line (printed first), times it, records the peak memory of its
 processes (the largest point's compile) and each point's seconds, round by round (its
-progress lines), and writes them with the plan to `benchmarks/results/plan-<model>.json`;
-docs/plan.md's real-size blocks are generated from those files (docs/regenerate.py). About
-an hour per preset here (2 cores, `--jobs 2`). The projection printed last spreads each
+progress lines), and writes them with the plan to `benchmarks/results/plan-<model>.json`.
+More than an hour per preset here (2 cores, `--jobs 2`: 13-24 minutes a round of four
+points, four or five rounds); `--cache` keeps every point, so a run stopped and started
+again compiles only what is new. The projection printed last spreads each
 round's measured points over N workers (Ray: `--ray`): a round ends with its last point.
 
     pip install 'shardlint[maxtext,tpu]'          # Python 3.12+
