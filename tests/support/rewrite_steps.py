@@ -223,25 +223,6 @@ def make_size_branch_step(mesh, *, mixing: bool = False):
     return _loss_step(block), (_mixing_params(mesh) if mixing else _moe_params(mesh), _batch(mesh))
 
 
-def every_expert_moe(params, x_BSD):
-    """A small public MoE's way: every expert on every token, then each token's top-k
-    outputs picked by advanced indexing (`out[idx, arange(b), arange(s)]`), weighted and
-    summed. No flatten; the routing op and the pick gather lose the sequence."""
-    logits_BSE = jnp.einsum("bsd,de->bse", x_BSD, params["w_gate"])
-    weights_BSK, experts_BSK = jax.lax.top_k(logits_BSE, TOP_K)
-    weights_BSK = jax.nn.softmax(weights_BSK, axis=-1)
-    hidden_EBSF = jax.nn.silu(jnp.einsum("bsd,edf->ebsf", x_BSD, params["w_in"]))
-    out_EBSD = jnp.einsum("ebsf,efd->ebsd", hidden_EBSF, params["w_out"])
-    b, s = x_BSD.shape[:2]
-    picked_BSKD = out_EBSD[experts_BSK, jnp.arange(b)[:, None, None], jnp.arange(s)[None, :, None]]  # <- pick
-    return jnp.einsum("bskd,bsk->bsd", picked_BSKD, weights_BSK)
-
-
-def make_every_expert_step(mesh):
-    """`every_expert_moe` in a residual block, value_and_grad over its parameters."""
-    return _loss_step(lambda params, x_BSD: x_BSD + every_expert_moe(params, x_BSD)), (_moe_params(mesh), _batch(mesh))
-
-
 def maxtext_capacity_moe(params, x_BSD, *, mesh, capacity_factor: float = 1.25, leak: str = ""):
     """MaxText's dense capacity path in miniature (`RoutedMoE.dense_matmul` with
     `capacity_factor > 0`, `generate_masks`): top_k and the scatter into `[batch, seq,
@@ -536,3 +517,22 @@ def make_replicated_routing_step(mesh, layers: str = "scan"):
 
     stack = () if layers == "one" else (LAYERS,)
     return _loss_step(model), (_moe_params(mesh, layers=stack), _batch(mesh))
+
+
+def every_expert_moe(params, x_BSD):
+    """A small public MoE's way: every expert on every token, then each token's top-k
+    outputs picked by advanced indexing (`out[idx, arange(b), arange(s)]`), weighted and
+    summed. No flatten; the routing op and the pick gather lose the sequence."""
+    logits_BSE = jnp.einsum("bsd,de->bse", x_BSD, params["w_gate"])
+    weights_BSK, experts_BSK = jax.lax.top_k(logits_BSE, TOP_K)
+    weights_BSK = jax.nn.softmax(weights_BSK, axis=-1)
+    hidden_EBSF = jax.nn.silu(jnp.einsum("bsd,edf->ebsf", x_BSD, params["w_in"]))
+    out_EBSD = jnp.einsum("ebsf,efd->ebsd", hidden_EBSF, params["w_out"])
+    b, s = x_BSD.shape[:2]
+    picked_BSKD = out_EBSD[experts_BSK, jnp.arange(b)[:, None, None], jnp.arange(s)[None, :, None]]  # <- pick
+    return jnp.einsum("bskd,bsk->bsd", picked_BSKD, weights_BSK)
+
+
+def make_every_expert_step(mesh):
+    """`every_expert_moe` in a residual block, value_and_grad over its parameters."""
+    return _loss_step(lambda params, x_BSD: x_BSD + every_expert_moe(params, x_BSD)), (_moe_params(mesh), _batch(mesh))
