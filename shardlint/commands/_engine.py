@@ -67,28 +67,32 @@ class Engine:
     progress: Callable[[str], None] | None = None
 
     def map(self, worker: Callable[[Any], Any], specs: Sequence[Any],
-            labels: Sequence[str] | None = None) -> list[Any]:
+            labels: Sequence[str] | None = None,
+            on_done: Callable[[int, Any], None] | None = None) -> list[Any]:
         """`worker(spec)` for every spec, each in a process of its own; a point whose
-        worker raised or whose process died is a `Failed`."""
+        worker raised or whose process died is a `Failed`. `on_done(index, result)` hears
+        each point as it ends (what a later point's failure or Ctrl-C leaves done)."""
         labels = list(labels or [str(s) for s in specs])
         if self.ray is not None:
-            return _on_ray(self, worker, list(specs), labels)
-        clock = _Clock(len(specs), self.jobs, self.progress)
+            return _on_ray(self, worker, list(specs), labels, on_done)
+        clock = _Clock(len(specs), self.jobs, self.progress, on_done)
         if self.jobs == 0:
-            return [_here(worker, spec, label, clock) for spec, label in zip(specs, labels)]
+            return [_here(worker, i, spec, label, clock) for i, (spec, label) in enumerate(zip(specs, labels))]
         return _locally(self.jobs, worker, list(specs), labels, clock)
 
 
 class _Clock:
     """The progress line of a set of points: done/total, what finished, what is left."""
 
-    def __init__(self, total: int, parallel: int, progress):
-        self.total, self.parallel, self.progress = total, max(1, parallel), progress
+    def __init__(self, total: int, parallel: int, progress, on_done=None):
+        self.total, self.parallel, self.progress, self.on_done = total, max(1, parallel), progress, on_done
         self.done, self.took, self.started = 0, [], time.monotonic()
 
-    def finished(self, label: str, seconds: float, result: Any) -> None:
+    def finished(self, index: int, label: str, seconds: float, result: Any) -> None:
         self.done += 1
         self.took.append(seconds)
+        if self.on_done is not None:
+            self.on_done(index, result)
         if self.progress is None:
             return
         left = self.total - self.done
@@ -104,10 +108,10 @@ def _minutes(seconds: float) -> str:
     return f"{seconds:.0f} s" if seconds < 90 else f"{seconds / 60:.0f} min"
 
 
-def _here(worker, spec, label: str, clock: _Clock) -> Any:
+def _here(worker, index: int, spec, label: str, clock: _Clock) -> Any:
     start = time.monotonic()
     result = worker(spec)
-    clock.finished(label, time.monotonic() - start, result)
+    clock.finished(index, label, time.monotonic() - start, result)
     return result
 
 
@@ -151,7 +155,7 @@ def _locally(jobs: int, worker, specs: list, labels: list[str], clock: _Clock) -
                     results[i] = Failed(f"its process ended with code {process.exitcode} "
                                         "(killed for memory?) before a result")
                 process.join()
-                clock.finished(labels[i], time.monotonic() - start, results[i])
+                clock.finished(i, labels[i], time.monotonic() - start, results[i])
     finally:
         for process, _, _ in running.values():
             process.terminate()
@@ -160,7 +164,7 @@ def _locally(jobs: int, worker, specs: list, labels: list[str], clock: _Clock) -
     return results
 
 
-def _on_ray(engine: Engine, worker, specs: list, labels: list[str]) -> list:
+def _on_ray(engine: Engine, worker, specs: list, labels: list[str], on_done=None) -> list:
     try:
         import ray
     except ImportError as e:
@@ -175,7 +179,7 @@ def _on_ray(engine: Engine, worker, specs: list, labels: list[str]) -> list:
         options["memory"] = int(engine.memory_gib * 2**30)
     task = ray.remote(**options)(_on_a_ray_worker)
     slots = int(ray.cluster_resources().get("CPU", 1) // engine.cpus)
-    clock = _Clock(len(specs), slots, engine.progress)
+    clock = _Clock(len(specs), slots, engine.progress, on_done)
     refs = {task.remote(worker, spec): i for i, spec in enumerate(specs)}
     results: list = [None] * len(specs)
     pending = list(refs)
@@ -187,7 +191,7 @@ def _on_ray(engine: Engine, worker, specs: list, labels: list[str]) -> list:
                 seconds, results[i] = ray.get(done[0])
             except Exception as e:   # the worker process died (Ray's WorkerCrashedError...)
                 seconds, results[i] = 0.0, Failed(_one_line(e))
-            clock.finished(labels[i], seconds, results[i])
+            clock.finished(i, labels[i], seconds, results[i])
     finally:
         for ref in pending:
             ray.cancel(ref, force=True)

@@ -297,8 +297,9 @@ def _search(engine: Engine, specs, points: list[dict], longest, cache: str | Non
 def _compiled(engine: Engine, specs: list[PointSpec], labels: list[str], cache: str | None) -> list:
     """Each point evaluated on the engine, or read from `cache` (a folder: `--cache`) where
     the same point was compiled before by the same shardlint, JAX and libtpu; what the
-    engine compiles is written there. A point that failed is not kept (it may have run out
-    of memory beside others)."""
+    engine compiles is written there as each point ends, so a plan stopped in a round keeps
+    the points it finished. A point that failed is not kept (it may have run out of memory
+    beside others)."""
     if cache is None:
         return engine.map(evaluate, specs, labels)
     from ..reports import point_of
@@ -313,10 +314,14 @@ def _compiled(engine: Engine, specs: list[PointSpec], labels: list[str], cache: 
             if engine.progress:
                 engine.progress(f"{labels[i]}: compiled before, read from {path}")
     todo = [i for i, point in enumerate(found) if point is None]
-    for i, result in zip(todo, engine.map(evaluate, [specs[i] for i in todo], [labels[i] for i in todo])):
-        found[i] = result
+
+    def keep(k: int, result) -> None:   # as each point ends: a stop later keeps it
         if not isinstance(result, Failed):
-            write_text(paths[i], json.dumps(dataclasses.asdict(result), indent=1) + "\n")
+            write_text(paths[todo[k]], json.dumps(dataclasses.asdict(result), indent=1) + "\n")
+
+    done = engine.map(evaluate, [specs[i] for i in todo], [labels[i] for i in todo], on_done=keep)
+    for i, result in zip(todo, done):
+        found[i] = result
     return found
 
 

@@ -116,6 +116,16 @@ def test_the_engine_runs_each_point_in_a_process_of_its_own_in_order():
     assert len(lines) == 3 and lines[-1].startswith("[3/3] ")
 
 
+@pytest.mark.parametrize("jobs", [0, 2])
+def test_each_point_is_heard_as_it_ends(jobs):
+    """`on_done(index, result)` for every point, as it ends (the plan's cache keeps each then,
+    so a stop in a round keeps what finished), failed ones too."""
+    heard = {}
+    found = Engine(jobs=jobs).map(plan_workers.raises if jobs else plan_workers.pid_and_spec, ["a", "b"],
+                                  on_done=heard.__setitem__)
+    assert heard == dict(enumerate(found)) and len(heard) == 2
+
+
 def test_a_point_that_raises_or_whose_process_dies_fails_alone():
     engine = Engine(jobs=2)
     raised, = engine.map(plan_workers.raises, ["p"])
