@@ -57,6 +57,14 @@ def first_line(error: BaseException) -> str:
     return text.splitlines()[0].rstrip(".") if text else ""
 
 
+def shardlint_bug(doing: str, error: BaseException, where: str = "") -> RewriteError:
+    """An exception raised in shardlint's own rewrite code, said as shardlint's bug: what it
+    was `doing` (the op and line it worked on), the error, and `where` it was raised."""
+    return RewriteError(f"shardlint failed {doing}: {type(error).__name__}: {first_line(error)}{where}. The "
+                        "step is left as it is; this is a bug of shardlint's: report it with this message "
+                        "and what --traceback prints")
+
+
 def exit_code(command: Callable[[], int], *, show_traceback: bool = False) -> int:
     """What a command line returns: `command()`'s exit code; 2 after one line on stderr for
     a ShardlintError (never a traceback, unless `show_traceback`: then the whole of it after

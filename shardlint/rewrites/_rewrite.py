@@ -17,7 +17,7 @@ from typing import Callable
 
 import jax
 
-from .._errors import NothingToRewrite, RewriteError, ShardlintError, first_line
+from .._errors import NothingToRewrite, RewriteError, ShardlintError, first_line, shardlint_bug
 from .._token_axes import TokenAxes
 from .._wrapped import is_nnx_jit
 from .._source import display_path, is_library_file, raised_by_shardlint
@@ -112,11 +112,8 @@ def _build_or_refuse(result: JittedStep, args) -> None:
     except Exception as e:  # JAX refused what the rewrite emitted, or shardlint failed
         if raised_by_shardlint(e):
             last = tb.extract_tb(e.__traceback__)[-1]
-            raise RewriteError(
-                f"shardlint failed while tracing the rewritten step{user_frame_of(e.__traceback__)}: "
-                f"{type(e).__name__}: {first_line(e)} (raised at {display_path(last.filename)}:{last.lineno} "
-                f"in {last.name}). The step is left as it is; this is a bug of shardlint's: report it "
-                "with this message and what --traceback prints") from e
+            raise shardlint_bug(f"while tracing the rewritten step{user_frame_of(e.__traceback__)}", e,
+                                f" (raised at {display_path(last.filename)}:{last.lineno} in {last.name})") from e
         raise RewriteError(
             f"the rewritten step does not trace{user_frame_of(e.__traceback__)}: {type(e).__name__}: "
             f"{first_line(e)}. The step is left as it is; name the token axes with batch_axes=/seq_axes= "

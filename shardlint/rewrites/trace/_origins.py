@@ -16,7 +16,7 @@ import math
 import numpy as np
 
 from ... import _jax
-from ..._errors import RewriteError, ShardlintError, first_line
+from ..._errors import ShardlintError, shardlint_bug
 from ..shard import FOLLOWS_FIRST, Unfit, elementwise, fitted, reshaped
 from ...jaxpr import is_literal, sub_of, variables
 
@@ -120,11 +120,8 @@ class Graph:
         except ShardlintError:
             raise
         except Exception as e:   # shardlint's own bug: said with the op it was working on
-            raise RewriteError(
-                f"shardlint failed making the operands of {resize.eqn.primitive.name}"
-                f"{self.line_of(resize.eqn)} again at one shard's shapes: {type(e).__name__}: "
-                f"{first_line(e)}. The step is left as it is; this is a bug of shardlint's: report it "
-                "with this message and what --traceback prints") from e
+            raise shardlint_bug(f"making the operands of {resize.eqn.primitive.name}"
+                                f"{self.line_of(resize.eqn)} again at one shard's shapes", e) from e
 
     def _rebuild(self, var, shape: tuple, shapes: dict, done: set) -> None:
         if var in done:

@@ -49,7 +49,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..._errors import RewriteError, ShardlintError, first_line
+from ..._errors import ShardlintError, first_line, shardlint_bug
 from ..._source import raised_by_shardlint
 from ..shard import declared_shapes, elementwise, fitted, folded, operands_to_resize, reshaped, ShardBinder, Unfit
 from ._origins import Graph, ResizeAndRetry, from_configuration
@@ -136,11 +136,8 @@ class _ShapePass(ShardBinder):
             except Exception as error:   # JAX refusing these shapes, in whatever words
                 if raised_by_shardlint(error) and not isinstance(error, Unfit):
                     # shardlint's own bug: said as one, never as an op that does not bind
-                    raise RewriteError(
-                        f"shardlint failed binding {eqn.primitive.name}{self.graph.line_of(eqn)} at one "
-                        f"shard's shapes: {type(error).__name__}: {first_line(error)}. The step is left "
-                        "as it is; this is a bug of shardlint's: report it with this message and what "
-                        "--traceback prints") from error
+                    raise shardlint_bug(f"binding {eqn.primitive.name}{self.graph.line_of(eqn)} at one "
+                                        "shard's shapes", error) from error
                 resized = operands_to_resize(eqn, invals, known_first=known)
                 if resized:
                     raise ResizeAndRetry(eqn, resized) from error
