@@ -42,6 +42,7 @@ import argparse
 import dataclasses
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -55,6 +56,8 @@ import numpy as np
 from jax.sharding import AxisType
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
+
+from jax.experimental.pallas.ops.tpu import megablox  # noqa: E402
 
 from shardlint import moe  # noqa: E402
 from shardlint.moe.layers import _experts  # noqa: E402
@@ -75,6 +78,12 @@ PATHS = (("today", ("xla", None, None)), ("issue 34", ("auto", 256, 256)),
 DENSE_ROW = "dense MLP (MlpBlock, same FLOPs)"
 # RoutedMoE's step at these (row tile, row block) with --row-tiles
 TILINGS = ((256, 256), (256, 512), (128, 512), (256, 1024), (128, 1024))
+
+
+def row_sizes(row: str, args: argparse.Namespace) -> tuple[int, int]:
+    """(experts, top-k) a row names ("... E=8 top-2"), else the command line's."""
+    m = re.search(r"E=(\d+) top-(\d+)", row)
+    return (int(m[1]), int(m[2])) if m else (args.experts, args.top_k)
 
 
 def peak_flops(kind: str) -> float | None:
@@ -167,6 +176,10 @@ class Bench:
             self._data[key] = self._draw(E, K, init)
         return self._data[key]
 
+    def forget_data(self) -> None:
+        """Let the chip free the params drawn so far (E=128's take 1.5 GiB)."""
+        self._data.clear()
+
     def _draw(self, E: int, K: int, init: Callable | None):
         a, D, F = self.args, self.args.emb, self.args.mlp
         cfg = moe.MoeConfig(num_experts=E, top_k=K, emb_dim=D, mlp_dim=F, dtype=jnp.bfloat16)
@@ -216,6 +229,12 @@ class Bench:
                 jax.lax.ragged_dot(x, w["wi_1"], sizes)
             return jax.lax.ragged_dot(h, w["wo"], sizes)
 
+        def megablox_swiglu(w, x, sizes):   # MaxText's TPU default: its tiles, JAX's kernels
+            def gmm(lhs, rhs):
+                tiles = tuple(min(t, n) for t, n in zip((512, 1024, 1024), (M, *rhs.shape[1:])))
+                return megablox.gmm(lhs, rhs, sizes, lhs.dtype, tiles, interpret=self.interpret)
+            return gmm(jax.nn.silu(gmm(x, w["wi_0"])) * gmm(x, w["wi_1"]), w["wo"])
+
         def pallas(w, x, tg, nt, p=plan):
             return _gmm.tiled_swiglu(x, w["wi_0"], w["wi_1"], w["wo"], tg, nt, p)
 
@@ -228,6 +247,8 @@ class Bench:
         flops = 3 * 2 * M * D * F
         P = x_PD.shape[0]
         rows = [("grouped SwiGLU (ragged_dot)", ragged, w, x_MD, (sizes,), (M, D)),
+                ("grouped SwiGLU (megablox, MaxText tiles)", megablox_swiglu, w,
+                 x_MD, (sizes,), (M, D)),
                 (f"grouped SwiGLU (Pallas, tm={plan.tm} bm={plan.bm})", pallas, w, x_PD,
                  (layout.tile_group_I, layout.num_tiles), (P, D)),
                 (f"grouped SwiGLU (Pallas issue 34, tm={old.tm})",
@@ -346,8 +367,7 @@ class Bench:
         a = self.args
         if row == DENSE_ROW:
             return self.dense_step_program()
-        E, K = {"RoutedMoE E=8 top-2": (8, 2), "RoutedMoE E=128 top-8": (128, 8)}.get(
-            row, (a.experts, a.top_k))
+        E, K = row_sizes(row, a)
         D, F, T = a.emb, a.mlp, a.batch * a.seq
         flops = 3 * 3 * 2 * T * K * D * F
         mesh = jax.make_mesh((1, 1), ("data", "context"), axis_types=(AxisType.Auto,) * 2,
