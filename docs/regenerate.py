@@ -208,24 +208,22 @@ def maxtext_rewritten() -> str:
     return _finding_headers(shardlint("analyze", *MAXTEXT, "--rewrite")[0])
 
 
-# The issue's loop: a 2-layer mixtral at data=2 x context=4 on 8 simulated CPU devices, the
-# dense dropless path, 3 steps of synthetic data.
-MAXTEXT_LOOP = ("hardware=cpu dataset_type=synthetic steps=3 enable_checkpointing=false "
-                "skip_jax_distributed_system=true ici_data_parallelism=2 ici_context_parallelism=4 "
-                "ici_fsdp_parallelism=1 sparse_matmul=false capacity_factor=-1 decoder_block=mixtral "
-                "base_num_decoder_layers=2 base_emb_dim=64 base_mlp_dim=128 base_moe_mlp_dim=128 "
-                "num_experts=8 num_experts_per_tok=2 base_num_query_heads=4 base_num_kv_heads=4 head_dim=16 "
-                "vocab_size=256 max_target_length=128 per_device_batch_size=1 dtype=float32 "
-                "weight_dtype=float32 megablox=false use_tokamax_gmm=false attention=dot_product jax_cache_dir=")
+def _maxtext_loop() -> str:
+    """The issue's loop: a 2-layer mixtral at data=2 x context=4 on 8 simulated CPU devices,
+    the dense dropless path, 3 steps of synthetic data (benchmarks/maxtext_train.py's)."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import maxtext_train
+
+    return maxtext_train.LOOP
 
 
 def _loop(module: str) -> subprocess.CompletedProcess:
-    """MaxText's trainer (or shardlint's runner) on MAXTEXT_LOOP, in a fresh folder."""
+    """MaxText's trainer (or shardlint's runner) on the issue's loop, in a fresh folder."""
     folder = tempfile.mkdtemp(prefix="shardlint-docs-")
     base = os.path.join(importlib.util.find_spec("maxtext").submodule_search_locations[0], "configs", "base.yml")
     env = dict(_env(), XLA_FLAGS="--xla_force_host_platform_device_count=8")
     return subprocess.run([sys.executable, "-m", module, base, "run_name=docs", f"base_output_directory={folder}",
-                           *MAXTEXT_LOOP.split()], cwd=folder, env=env, capture_output=True, text=True, check=True)
+                           *_maxtext_loop().split()], cwd=folder, env=env, capture_output=True, text=True, check=True)
 
 
 def maxtext_train() -> str:

@@ -4,13 +4,15 @@ steps it jits rewritten so that the routed MoE runs per shard.
 The default tests check the wiring: which arguments are shardlint's (`shardlint_*=` keys)
 and which MaxText's, the mistakes said in one line, the summary line's wording from its
 record, and that MaxText's `jit_train_and_eval_step` is handed over only while the runner
-holds it. The `slow` test runs MaxText's own trainer and the runner on the same command
-line (a 2-layer mixtral at data=2 x context=4, 8 simulated CPU devices, the dense dropless
-path, an eval every 2 steps) and compares the losses they log, step by step.
+holds it. The `slow` tests run MaxText's own trainer and the runner once each on the same
+command line (a 2-layer mixtral at data=2 x context=4, 8 simulated CPU devices, the dense
+dropless path, an eval every 2 steps), compare the losses they log, step by step, and count
+the compiles of each step that JAX logs (`JAX_LOG_COMPILES=1`).
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import importlib.util
 import os
@@ -143,26 +145,35 @@ LOOP = ("hardware=cpu dataset_type=synthetic steps=3 enable_checkpointing=false 
         "use_tokamax_gmm=false attention=dot_product jax_cache_dir= eval_interval=2 eval_steps=1").split()
 LOSS = re.compile(r"completed step: (\d+), .*?\bloss: ([\d.]+),")   # not lm_loss
 EVAL_LOSS = re.compile(r"Completed eval after train step (\d+), loss=([\d.]+),")
+COMPILED = re.compile(r"Finished XLA compilation of jit\((train|eval)_step\)")   # JAX_LOG_COMPILES=1
 
 
 def _loop(module: str, tmp_path, run_name: str) -> subprocess.CompletedProcess:
     base = os.path.join(importlib.util.find_spec("maxtext").submodule_search_locations[0], "configs", "base.yml")
-    env = user_env(f"{FAST_KERNELS} --xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    env = user_env(f"{FAST_KERNELS} --xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu",
+                   JAX_LOG_COMPILES="1")
     return subprocess.run([sys.executable, "-m", module, base, f"run_name={run_name}",
                            f"base_output_directory={tmp_path}", *LOOP],
                           capture_output=True, text=True, env=env, timeout=900)
 
 
-@pytest.mark.slow
-@pytest.mark.maxtext
-@needs_maxtext
-def test_maxtexts_loop_logs_the_same_losses_rewritten(tmp_path):
-    """About 3 minutes here (2 CPU cores): MaxText's loop about 40 s, the runner's about 2
-    minutes (two analyses and a rewrite of each step before MaxText compiles it)."""
+@pytest.fixture(scope="module")
+def loops(tmp_path_factory) -> tuple[subprocess.CompletedProcess, subprocess.CompletedProcess]:
+    """MaxText's own trainer, then the runner, on LOOP: one to two minutes for both here (2 CPU
+    cores; the runner analyzes, rewrites and compiles each step before MaxText's loop runs)."""
+    tmp_path = tmp_path_factory.mktemp("loops")
     own = _loop("maxtext.trainers.pre_train.train", tmp_path, "maxtext")
     assert own.returncode == 0, own.stderr[-3000:]
     ran = _loop("shardlint.integrations.maxtext.train", tmp_path, "shardlint")
     assert ran.returncode == 0, ran.stderr[-3000:]
+    return own, ran
+
+
+@pytest.mark.slow
+@pytest.mark.maxtext
+@needs_maxtext
+def test_maxtexts_loop_logs_the_same_losses_rewritten(loops):
+    own, ran = loops
     summary = [line for line in ran.stdout.splitlines() if line.startswith("shardlint: ")]
     assert len(summary) == 2, ran.stdout
     assert re.fullmatch(r"shardlint: MaxText's train step, XLA's temp per device: [\d.]+ MiB as MaxText "
@@ -171,3 +182,15 @@ def test_maxtexts_loop_logs_the_same_losses_rewritten(tmp_path):
     for pattern, count in ((LOSS, 3), (EVAL_LOSS, 2)):
         theirs, ours = pattern.findall(own.stderr), pattern.findall(ran.stderr)
         assert len(theirs) == count and ours == theirs, (theirs, ours)
+
+
+@pytest.mark.slow
+@pytest.mark.maxtext
+@needs_maxtext
+def test_the_runner_compiles_each_step_once_more_than_maxtexts_loop(loops):
+    """The analysis of MaxText's step is the one compile more; the rewritten step is compiled
+    once, as the loop compiles it, and the loop's own compile and its calls reuse that one
+    (before: 3 compiles of each step to MaxText's 1, the rewritten step analyzed as well)."""
+    own, ran = (collections.Counter(COMPILED.findall(loop.stderr)) for loop in loops)
+    assert own["train"] >= 1 and own["eval"] >= 1, own   # JAX logged MaxText's compiles
+    assert ran["train"] <= own["train"] + 1 and ran["eval"] <= own["eval"] + 1, (own, ran)

@@ -7,8 +7,11 @@ function of the same signature there for as long as it is entered (and puts MaxT
 when it leaves, whatever happens): it calls MaxText's own, then passes each step through
 `shardlint.analyze` and `shardlint.rewrite` on the arguments MaxText lowers it with (the
 train state as it is, a batch shaped by `maxtext_utils.get_shaped_batch` with MaxText's
-input sharding), under the logical axis rules the loop calls it with. Nothing else in
-MaxText is touched: its data pipeline, optimizer, checkpoints and logs run as they are.
+input sharding), under the logical axis rules the loop calls it with. A rewritten step is
+compiled once, there, as the loop compiles it (mesh, rules, compiler options): JAX keeps
+that executable, so the loop's own compile and its calls reuse it, and a step costs one
+compile more than in MaxText's loop (the analysis of MaxText's). Nothing else in MaxText
+is touched: its data pipeline, optimizer, checkpoints and logs run as they are.
 
 What each step became is a `Fixed` record; `Fixed.line()` renders it for people.
 """
@@ -22,7 +25,7 @@ import inspect
 import warnings
 from typing import Callable, Iterator
 
-from ..._errors import NothingToRewrite, RewriteError
+from ..._errors import NothingToRewrite, RewriteError, first_line
 from ..._format import human_bytes, progress
 from ...jaxpr import equations
 from ._target import MaxTextError
@@ -79,11 +82,12 @@ def _rewriting(original: Callable, options: Options, on_fixed: Callable[[Fixed],
         # MaxText's own test for an eval step (`if eval_data_iterator:`), before it jits one
         _refuse_unreached(config, has_eval=bool(given.arguments["eval_data_iterator"]))
         train_step, eval_step = original(*args, **kwargs)
+        compiler_options = _compiler_options(config)
         train_step = _fix(train_step, "train", mesh, (state, _batch(config, mesh, is_eval=False)),
-                          config.logical_axis_rules, options, on_fixed)
+                          config.logical_axis_rules, compiler_options, options, on_fixed)
         if eval_step is not None:
             eval_step = _fix(eval_step, "eval", mesh, (state, _batch(config, mesh, is_eval=True)),
-                             config.logical_axis_rules_for_eval, options, on_fixed)
+                             config.logical_axis_rules_for_eval, compiler_options, options, on_fixed)
         return train_step, eval_step
 
     return jit_train_and_eval_step
@@ -120,7 +124,15 @@ def _batch(config, mesh, *, is_eval: bool):
         return maxtext_utils.get_shaped_batch(config, batch_sharding=data_sharding, is_eval=is_eval)
 
 
-def _fix(step, name: str, mesh, args: tuple, rules, options: Options, on_fixed: Callable[[Fixed], None]):
+def _compiler_options(config) -> dict:
+    """The compiler options `train_loop` compiles its steps with (`compile_xla_flags`)."""
+    from maxtext.utils import max_utils
+
+    return max_utils.parse_libtpu_flags_to_dict(config.compile_xla_flags)
+
+
+def _fix(step, name: str, mesh, args: tuple, rules, compiler_options: dict, options: Options,
+         on_fixed: Callable[[Fixed], None]):
     """`step` rewritten (or `step` itself when nothing needs it), said to `on_fixed`."""
     from flax.core.spmd import logical_axis_rules
 
@@ -141,11 +153,27 @@ def _fix(step, name: str, mesh, args: tuple, rules, options: Options, on_fixed: 
             on_fixed(Fixed(name, before.memory.temp_bytes, None, 0,
                            unchanged=fixed.notes[-1] if fixed.notes else "nothing to rewrite"))
             return step
-        progress(f"analyzing the rewritten {name} step")
-        after = shardlint.analyze(fixed, *args, params_argnums=(0,), progress=progress)
         regions = _shard_maps(fixed.trace(*args).jaxpr.jaxpr) - _shard_maps(step.trace(*args).jaxpr.jaxpr)
-    on_fixed(Fixed(name, before.memory.temp_bytes, after.memory.temp_bytes, regions))
+    temp_after = _compiled_as_maxtext_does(fixed, name, mesh, args, rules, compiler_options)
+    on_fixed(Fixed(name, before.memory.temp_bytes, temp_after, regions))
     return fixed
+
+
+def _compiled_as_maxtext_does(fixed, name: str, mesh, args: tuple, rules, compiler_options: dict) -> int:
+    """XLA's temp bytes per device of the rewritten step, compiled once as `train_loop`
+    compiles it (its mesh and rules in context, its compiler options, the same shaped
+    arguments): JAX keeps that compile, and the loop's own compile and its calls reuse it."""
+    import jax
+    from flax.core.spmd import logical_axis_rules
+
+    progress(f"compiling the rewritten {name} step")
+    with jax.set_mesh(mesh), logical_axis_rules(rules):
+        lowered = fixed.lower(*args)
+        try:
+            compiled = lowered.compile(compiler_options=compiler_options)
+        except Exception as e:   # XLA's refusal (out of memory, say): MaxText's compile would fail alike
+            raise RewriteError(f"MaxText's {name} step rewritten does not compile: {first_line(e)}") from e
+    return int(compiled.memory_analysis().temp_size_in_bytes)
 
 
 def _shard_maps(jaxpr) -> int:
