@@ -4,9 +4,9 @@ Both sides compile the same step from scratch each repeat (a fresh function obje
 neither hits JAX's compilation cache); prints the medians and their ratio, for the example
 MoE step and for a `lax.scan` over 4 stacked layers under `jax.checkpoint` (the loop
 bodies, the dataflow through the while carry), and with --maxtext MaxText's own training
-step (its dense capacity path, 2 layers, seq 2048). Target <= 1.2. A third line compiles with
-the analysis's dump options and reads nothing: what XLA's dump costs by itself (XLA:CPU
-writes LLVM IR and object files for every kernel once a dump folder is set).
+step (its dense capacity path, 2 layers, seq 2048). Target <= 1.1 (issue 53). A third
+line compiles with the analysis's dump options and reads nothing: what XLA's dump costs by
+itself (XLA:CPU writes LLVM IR and object files for every kernel once a dump folder is set).
 
     python benchmarks/analysis_overhead.py [--repeats 5] [--mesh data=2,context=4] [--maxtext]
 """
@@ -110,7 +110,7 @@ def _measure(label, make, mesh, sizes, repeats) -> None:
     print(f"  bare lower().compile():       median {b:.3f} s  (all: {', '.join(f'{t:.3f}' for t in bare)})")
     print(f"  the same with the dump on:    median {d:.3f} s  (all: {', '.join(f'{t:.3f}' for t in dumped)})")
     print(f"  shardlint.analyze():          median {a:.3f} s  (all: {', '.join(f'{t:.3f}' for t in analyzed)})")
-    print(f"  ratio analyze / bare:         {a / b:.2f}  (target <= 1.2; XLA's dump alone {d / b:.2f}; "
+    print(f"  ratio analyze / bare:         {a / b:.2f}  (target <= 1.1; XLA's dump alone {d / b:.2f}; "
           f"{len(result.collectives)} collectives, {len(result.findings)} findings)")
 
 
