@@ -73,7 +73,8 @@ class _Emitter:
         return all(a in env or a in stacked for a in atoms if not hasattr(a, "val"))
 
     def _sub(self, eqn, inner: Level, env, stacked) -> None:
-        invals = [stacked[a] if a in stacked else read(env, a) for a in eqn.invars]
+        # A body's operand may be a literal (a constant JAX folded in: unhashable).
+        invals = [stacked[a] if not is_literal(a) and a in stacked else read(env, a) for a in eqn.invars]
         avals = [self._aval(v, v in inner.stacked_in) for v in inner.jaxpr.invars]
         new_inner = jax.make_jaxpr(self.level_fn(inner))(*avals)
         outs = bind_with(eqn, new_inner, invals)
