@@ -254,6 +254,16 @@ def maxtext_real_size(*options: str) -> str:
     return fenced("\n".join([*table, f"({minutes:.0f} minutes for the run, one point after another)"]))
 
 
+def maxtext_presets() -> str:
+    """`benchmarks/maxtext_presets.py`'s table: every MoE preset on every MoE path (about an
+    hour of CPU compiles here, one row after another), and how long the whole run took."""
+    start = time.perf_counter()
+    run = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "maxtext_presets.py")],
+                         env=_env(), stdout=subprocess.PIPE, text=True, check=True)
+    minutes = (time.perf_counter() - start) / 60
+    return f"{run.stdout.rstrip()}\n\n({minutes:.0f} minutes for the run, one row after another)\n"
+
+
 PLAN_EXAMPLE = ("plan", "shardlint.examples.decoder:make_step", "--mesh", MESH, "--set", "layers=1",
                 "--grid", "context=1,2,4", "--longest", "seq=64..1024:64", "--hbm-gib", "0.008", "--jobs", "2")
 
@@ -297,6 +307,7 @@ BLOCKS: dict[str, Block] = {
     "rewrite-reach": Block(rewrite_reach),
     "plan-example": Block(plan_example),
     "plan-mixtral": Block(plan_mixtral, needs="maxtext,libtpu", slow=True),
+    "maxtext-presets": Block(maxtext_presets, needs="maxtext", slow=True),
     "maxtext-moe": Block(maxtext_moe, needs="maxtext"),
     "maxtext-findings": Block(maxtext_findings, needs="maxtext"),
     "maxtext-rewritten": Block(maxtext_rewritten, needs="maxtext"),
