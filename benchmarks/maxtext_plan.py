@@ -26,6 +26,10 @@ round's measured points over N workers (Ray: `--ray`): a round ends with its las
     pip install 'shardlint[maxtext,tpu]'          # Python 3.12+
     python benchmarks/maxtext_plan.py --model mixtral-8x7b
     python benchmarks/maxtext_plan.py --model qwen3-next-80b-a3b
+    python benchmarks/maxtext_plan.py --brackets --cache benchmarks/results/plan-mixtral-8x7b
+
+A run stopped before its searches closed still leaves its points in `--cache`; `--brackets`
+prints, from them alone, each point's longest length that fitted and shortest that did not.
 """
 
 from __future__ import annotations
@@ -80,7 +84,14 @@ def main(argv: list[str] | None = None) -> int:
                              "`/usr/bin/time -v` (its --json, its stderr) instead of running it")
     parser.add_argument("--cache", default=os.path.expanduser("~/.cache/shardlint/plan"),
                         help="plan --cache: a run again (after a stop) compiles only what is new")
+    parser.add_argument("--brackets", action="store_true",
+                        help="print what the points kept in --cache bracket (a search stopped "
+                             "before its end: the longest value that fitted, the shortest that "
+                             "did not), compiling nothing")
     args = parser.parse_args(argv)
+    if args.brackets:
+        print(brackets(args.cache))
+        return 0
     shown = command(args.model, args.topology, args.longest, args.jobs)
     if args.record:
         plan_json, log = args.record
@@ -128,6 +139,37 @@ def record(args, shown: list[str], plan: dict, log: str, seconds: float, peak: i
     for workers in (args.jobs, 4, 8, 16):
         print(f"  on {workers} workers: about {projected(rounds, workers) / 60:.0f} min "
               "(each round's points spread over them, the measured time of each)")
+
+
+def brackets(cache: str, key: str = "max_target_length") -> str:
+    """Per grid point and side, the longest `key` that fitted and the shortest that did not,
+    with the compiler's need per chip at each, from the points a plan kept in `cache` (a
+    folder holding one run's points: each is a compile that ended)."""
+    from shardlint.reports import point_of
+
+    found: dict[tuple, dict[str, list]] = {}
+    for name in sorted(os.listdir(cache)):
+        point = point_of(json.loads(Path(cache, name).read_text()))
+        grid = tuple((k, v) for k, v in point.values.items() if k != key)
+        for side in ("before", "after"):
+            compiled = getattr(point, side)
+            if compiled is not None:
+                found.setdefault(grid, {}).setdefault(side, []).append(
+                    (point.values[key], compiled.fits, compiled.need_bytes / 2**30))
+
+    def bracket(tried: list) -> str:
+        fits = [t for t in tried if t[1]]
+        above = [t for t in tried if not t[1] and (not fits or t[0] > max(fits)[0])]
+        low = f"fits {max(fits)[0]} ({max(fits)[2]:.1f} GiB)" if fits else "none fits"
+        high = f", not {min(above)[0]} ({min(above)[2]:.1f} GiB)" if above else ""
+        below = [t for t in tried if not t[1] and fits and t[0] < max(fits)[0]]   # XLA's choices
+        odd = f" (yet not {', '.join(str(t[0]) for t in sorted(below))})" if below else ""
+        return low + high + odd
+
+    rows = [f"{', '.join(f'{k}={v}' for k, v in grid)}: before {bracket(sides.get('before', []))}; "
+            f"after {bracket(sides.get('after', []))}"
+            for grid, sides in sorted(found.items(), key=lambda item: str(item[0]))]
+    return "\n".join(rows)
 
 
 _ROUND = re.compile(r"round (\d+): (\d+) point")

@@ -1,4 +1,4 @@
-"""Regenerates every example output quoted in README.md and docs/*.md by running the tool.
+"""Regenerates every example output quoted in README.md, benchmarks/README.md and docs/*.md by running the tool.
 
 A quoted output sits between two markers, and only there:
 
@@ -292,6 +292,24 @@ def plan_mixtral() -> str:
                   f"({minutes:.0f} minutes for the run, --jobs 1)")
 
 
+def plan_recorded(model: str) -> str:
+    """What `benchmarks/maxtext_plan.py --model MODEL` measured: its command, each context
+    degree's longest sequence as bracketed by the points its search compiled (kept from its
+    --cache in benchmarks/results/plan-<model>/), how long it ran, and its rounds' points
+    (its progress lines, benchmarks/results/plan-<model>.log) spread over N Ray workers."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import maxtext_plan
+
+    results = os.path.join(ROOT, "benchmarks", "results", f"plan-{model}")
+    with open(results + ".log", encoding="utf-8") as fh:
+        log = fh.read().splitlines()
+    rounds = [r for r in maxtext_plan.point_seconds("\n".join(log)) if r]   # not a round stopped at its start
+    ray = ", ".join(f"{n} workers about {maxtext_plan.projected(rounds, n) / 60:.0f} min" for n in (4, 8, 16))
+    return fenced(f"{log[0]}\n{maxtext_plan.brackets(results)}\n{log[-1]}\n"
+                  f"{sum(map(len, rounds))} points in {len(rounds)} rounds; on Ray, each round's points "
+                  f"spread over N workers at the times measured here: {ray}")
+
+
 BLOCKS: dict[str, Block] = {
     "demo": Block(demo),
     "model-findings": Block(model_findings),
@@ -307,6 +325,7 @@ BLOCKS: dict[str, Block] = {
     "rewrite-reach": Block(rewrite_reach),
     "plan-example": Block(plan_example),
     "plan-mixtral": Block(plan_mixtral, needs="maxtext,libtpu", slow=True),
+    "plan-mixtral-longest": Block(functools.partial(plan_recorded, "mixtral-8x7b")),
     "maxtext-presets": Block(maxtext_presets, needs="maxtext", slow=True),
     "maxtext-moe": Block(maxtext_moe, needs="maxtext"),
     "maxtext-findings": Block(maxtext_findings, needs="maxtext"),
@@ -319,7 +338,8 @@ BLOCKS: dict[str, Block] = {
 
 
 def pages() -> list[str]:
-    return [os.path.join(ROOT, "README.md")] + sorted(glob.glob(os.path.join(ROOT, "docs", "*.md")))
+    return ([os.path.join(ROOT, "README.md"), os.path.join(ROOT, "benchmarks", "README.md")]
+            + sorted(glob.glob(os.path.join(ROOT, "docs", "*.md"))))
 
 
 def main(argv: list[str] | None = None) -> int:
