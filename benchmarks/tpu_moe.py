@@ -80,6 +80,16 @@ DENSE_ROW = "dense MLP (MlpBlock, same FLOPs)"
 TILINGS = ((256, 256), (256, 512), (128, 512), (256, 1024), (128, 1024))
 
 
+# MaxText 0.2.5's configs/base.yml: wi_tile_{fwd,dlhs,drhs}_* and wo_tile_*, (rows, k, n).
+MAXTEXT_TILING = (512, 1024, 1024)
+
+
+def megablox_gmm(lhs, rhs, sizes, tiling=MAXTEXT_TILING, interpret=False):
+    """JAX's megablox gmm at `tiling`, each tile cut to the product's own size (small shapes)."""
+    tiles = tuple(min(t, n) for t, n in zip(tiling, (lhs.shape[0], *rhs.shape[1:])))
+    return megablox.gmm(lhs, rhs, sizes, lhs.dtype, tiles, interpret=interpret)
+
+
 def row_sizes(row: str, args: argparse.Namespace) -> tuple[int, int]:
     """(experts, top-k) a row names ("... E=8 top-2"), else the command line's."""
     m = re.search(r"E=(\d+) top-(\d+)", row)
@@ -230,9 +240,7 @@ class Bench:
             return jax.lax.ragged_dot(h, w["wo"], sizes)
 
         def megablox_swiglu(w, x, sizes):   # MaxText's TPU default: its tiles, JAX's kernels
-            def gmm(lhs, rhs):
-                tiles = tuple(min(t, n) for t, n in zip((512, 1024, 1024), (M, *rhs.shape[1:])))
-                return megablox.gmm(lhs, rhs, sizes, lhs.dtype, tiles, interpret=self.interpret)
+            gmm = lambda lhs, rhs: megablox_gmm(lhs, rhs, sizes, interpret=self.interpret)
             return gmm(jax.nn.silu(gmm(x, w["wi_0"])) * gmm(x, w["wi_1"]), w["wo"])
 
         def pallas(w, x, tg, nt, p=plan):

@@ -47,11 +47,8 @@ import jax.numpy as jnp
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import tpu_moe  # noqa: E402
 
-from jax.experimental.pallas.ops.tpu import megablox  # noqa: E402
-
 ROWS = ("ShardedRoutedMoE", "ShardedRoutedMoE E=8 top-2", "ShardedRoutedMoE E=128 top-8")
-# MaxText 0.2.5's configs/base.yml: wi_tile_{fwd,dlhs,drhs}_* and wo_tile_*, (rows, k, n).
-MAXTEXT_TILING = (512, 1024, 1024)
+MAXTEXT_TILING = tpu_moe.MAXTEXT_TILING
 
 
 @jax.custom_vjp
@@ -87,9 +84,7 @@ def maxtext_sparse_moe(params, x_BSD, top_k: int, tiling=MAXTEXT_TILING, interpr
     pad = -M % tiling[0]                      # max_utils.maybe_pad to the row tile
 
     def gmm(lhs, rhs):
-        k, n = rhs.shape[1:]
-        tiles = (min(tiling[0], M + pad), min(tiling[1], k), min(tiling[2], n))
-        return megablox.gmm(lhs, rhs, sizes_E, lhs.dtype, tiles, interpret=interpret)
+        return tpu_moe.megablox_gmm(lhs, rhs, sizes_E, tiling, interpret)
 
     x_PD = jnp.pad(x_MD, ((0, pad), (0, 0)))
     h_PF = jax.nn.silu(gmm(x_PD, params["wi_0"])) * gmm(x_PD, params["wi_1"])
