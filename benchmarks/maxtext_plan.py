@@ -40,6 +40,7 @@ import json
 import os
 import re
 import resource
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -144,12 +145,16 @@ def record(args, shown: list[str], plan: dict, log: str, seconds: float, peak: i
 def brackets(cache: str, key: str = "max_target_length") -> str:
     """Per grid point and side, the longest `key` that fitted and the shortest that did not,
     with the compiler's need per chip at each, from the points a plan kept in `cache` (a
-    folder holding one run's points: each is a compile that ended)."""
+    folder holding one run's points: each is a compile that ended); then the peak resident
+    memory of the points' processes, where they recorded it."""
     from shardlint.reports import point_of
 
     found: dict[tuple, dict[str, list]] = {}
+    host_peaks = []
     for name in sorted(os.listdir(cache)):
         point = point_of(json.loads(Path(cache, name).read_text()))
+        if point.host_peak_bytes is not None:
+            host_peaks.append(point.host_peak_bytes)
         grid = tuple((k, v) for k, v in point.values.items() if k != key)
         for side in ("before", "after"):
             compiled = getattr(point, side)
@@ -169,6 +174,10 @@ def brackets(cache: str, key: str = "max_target_length") -> str:
     rows = [f"{', '.join(f'{k}={v}' for k, v in grid)}: before {bracket(sides.get('before', []))}; "
             f"after {bracket(sides.get('after', []))}"
             for grid, sides in sorted(found.items(), key=lambda item: str(item[0]))]
+    if host_peaks:   # points compiled before the record had it have none
+        rows.append(f"peak memory of a point's process: {max(host_peaks) / 2**30:.1f} GiB at most, "
+                    f"median {statistics.median(host_peaks) / 2**30:.1f} GiB ({len(host_peaks)} of "
+                    f"{len(os.listdir(cache))} points recorded it)")
     return "\n".join(rows)
 
 

@@ -187,14 +187,26 @@ def evaluate(spec: PointSpec) -> PlanPoint:
     pair = analyze_pair(fn, step_args, mesh, rewrite="after" in spec.sides, verify=False,
                         keep_refusal=True, **spec.rewrite)
     before = _side(pair.before, fit_of(pair.before, spec.hbm_gib))
+    values = dict(spec.values)
     if pair.refused:
-        return PlanPoint(values=dict(spec.values), before=before,
+        return PlanPoint(values=values, before=before, host_peak_bytes=_host_peak_bytes(),
                          note=f"the rewrite was refused: {first_line(pair.refused)}")
     if pair.unchanged:
-        return PlanPoint(values=dict(spec.values), before=before, after=before,
+        return PlanPoint(values=values, before=before, after=before, host_peak_bytes=_host_peak_bytes(),
                          note=f"nothing to rewrite ({pair.unchanged})")
     after = None if pair.after is None else _side(pair.after, fit_of(pair.after, spec.hbm_gib))
-    return PlanPoint(values=dict(spec.values), before=before, after=after, regions=pair.regions)
+    return PlanPoint(values=values, before=before, after=after, regions=pair.regions,
+                     host_peak_bytes=_host_peak_bytes())
+
+
+def _host_peak_bytes() -> int:
+    """This process's peak resident memory so far: a point's process (`_engine`: spawned,
+    or a Ray worker that runs one task) holds one point's compiles, so it is what they took."""
+    import resource
+    import sys
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024   # bytes there, KiB on Linux
 
 
 def _side(analysis, fit) -> PlanSide:

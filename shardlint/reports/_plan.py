@@ -60,6 +60,7 @@ class PlanPoint:
     regions: int = 0             # routed regions (or swapped layers) the rewrite runs per shard
     note: str = ""               # the rewrite refused, nothing to rewrite
     error: str = ""              # the point could not be compiled, and why
+    host_peak_bytes: int | None = None   # the compiling process's peak resident memory (None: not measured)
 
     def fits(self, side: str) -> bool | None:
         """Whether `side` ("before", "after") fits; None where it was not compiled."""

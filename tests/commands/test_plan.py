@@ -170,6 +170,11 @@ def test_the_plan_finds_the_longest_sequence_before_and_after_the_fix(searched):
         assert at_128["after"]["need_bytes"] < at_128["before"]["need_bytes"]
         assert at_128["regions"] >= 1
     assert doc["best"]["row"] in (0, 1) and "fits after the fix" in doc["best"]["rule"]
+    # each point's process says how much memory its compiles took: JAX's own start takes
+    # more than 128 MiB, and no process holds more than the machine has
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    for row in rows.values():
+        assert all(2**27 < t["host_peak_bytes"] < memory for t in row["tried"]), row["tried"]
     table = done.stdout.splitlines()
     assert table[0].split()[:3] == ["context", "longest", "seq"]
     assert sum(line.startswith("* ") for line in table) == 1
