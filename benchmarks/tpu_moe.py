@@ -135,6 +135,21 @@ def median_s(fn: Callable, *args, repeats: int, keep: list | None = None) -> flo
     return statistics.median(times)
 
 
+def loop_s(fn: Callable, *args, calls: int) -> float:
+    """Seconds per call of fn(*args) in a loop: after two warm-up calls, `calls` calls
+    dispatched back to back and one wait for the last, as a training loop runs its steps
+    (the host dispatches the next call while the chip runs this one, so the per-call wait
+    of `median_s` is not in it). Each call's result is dropped as the next is dispatched,
+    so at most two are held."""
+    for _ in range(2):
+        out = jax.block_until_ready(fn(*args))
+    t = time.perf_counter()
+    for _ in range(calls):
+        out = fn(*args)
+    jax.block_until_ready(out)
+    return (time.perf_counter() - t) / calls
+
+
 def rel_err(a: Any, b: Any) -> float:
     """max |a - b| / max |b| over a pytree's leaves (in float32)."""
     errs = [float(jnp.max(jnp.abs(x.astype(jnp.float32) - y.astype(jnp.float32)))
