@@ -100,8 +100,9 @@ def main(argv=None) -> int:
         time.sleep(0.1)
     trace = read_trace(folder)
     events = device_op_events(trace)
+    experts, top_k = tpu_moe.row_sizes(args.row, args)   # a row's own "E=8 top-2" first
     print(f"{bench.dev.device_kind}, JAX {jax.__version__}; {args.row} ({args.path}), "
-          f"T={args.batch * args.seq}, E={args.experts}, top-{args.top_k}, D={args.emb}, "
+          f"T={args.batch * args.seq}, E={experts}, top-{top_k}, D={args.emb}, "
           f"F={args.mlp}; step {tpu_moe.cell(wall, flops, bench.peak)} (median of "
           f"{args.repeats}); trace of {args.steps} steps in {folder}")
     if not events:
