@@ -48,8 +48,9 @@ REWRITE_FAILS: dict[tuple[str, str], str] = {
     ("gpt-oss-20b", "dropless"): (
         "verified, but the rewritten step's temp is above the original's (10.5 against 10.3 MiB per device)"),
     ("llama4-17b-16e", "dropless"): (
-        "the rewrite refuses without naming a line in the MoE: the step's values do not settle at one "
-        "shard's shapes in 64 passes"),
+        "the rewrite refuses: the step's values do not settle at one shard's shapes in 64 passes, the "
+        "last passes stopping in turn at the rotary embedding (embeddings.py:552, 577) and the MoE's "
+        "scatter and combine (moe.py:3680, 4289); cause not found yet"),
 }
 
 

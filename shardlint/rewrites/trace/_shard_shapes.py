@@ -85,17 +85,28 @@ def shard_shapes(closed, avals, divided: dict[str, int], *, capacity: bool = Fal
     the shard_maps the step makes over a mesh of its own."""
     graph = Graph(closed.jaxpr, closed.consts)
     literals: dict = {}
+    retried = []   # the op that stopped each pass
     for _ in range(_ATTEMPTS):
         shape_pass = _ShapePass(graph, literals, {}, divided, capacity, mesh)
         try:
             jax.eval_shape(lambda *xs: shape_pass.run(closed.jaxpr, closed.consts, xs), *avals)
         except ResizeAndRetry as resize:
             graph.rebuild(resize, shape_pass.shapes)
+            retried.append(resize.eqn)
             continue
         stand_ins = from_configuration(closed.jaxpr, graph.stand_ins) | graph.placeholders
         return ShardShapes(shape_pass.shapes, dict(graph.sizes), dict(literals), shape_pass.folds,
                            stand_ins, frozenset(shape_pass.unsettled), dict(graph.opaque))
-    raise Unfit(f"its values did not settle at one shard's shapes in {_ATTEMPTS} passes")
+    raise Unfit(f"after {_ATTEMPTS} passes; {_going_round(graph, retried)}")
+
+
+def _going_round(graph, retried: list) -> str:
+    """The ops that stopped the last passes (their operands came at other sizes and were made
+    again), each once with its line: where the passes go round."""
+    ops = [f"{eqn.primitive.name}({', '.join(v.aval.str_short() for v in eqn.invars)}){graph.line_of(eqn)}"
+           for eqn in retried[-max(1, _ATTEMPTS // 4):]]
+    return ("the last ones stopped at ops whose operands came at other sizes (global shapes): "
+            f"{'; '.join(dict.fromkeys(ops))}")   # each once (layers repeat them)
 
 
 class _ShapePass(ShardBinder):
