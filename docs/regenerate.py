@@ -25,6 +25,7 @@ import dataclasses
 import functools
 import glob
 import importlib.util
+import json
 import os
 import re
 import subprocess
@@ -293,19 +294,30 @@ def plan_mixtral() -> str:
 
 
 def plan_recorded(model: str) -> str:
-    """What `benchmarks/maxtext_plan.py --model MODEL` measured: its command, each context
-    degree's longest sequence as bracketed by the points its search compiled (kept from its
-    --cache in benchmarks/results/plan-<model>/), how long it ran, and its rounds' points
-    (its progress lines, benchmarks/results/plan-<model>.log) spread over N Ray workers."""
+    """What `benchmarks/maxtext_plan.py --model MODEL` measured: its command, the plan's
+    table where its search ended (its record, benchmarks/results/plan-<model>.json), each
+    context degree's fits on both sides among every point it compiled (kept from its --cache
+    in benchmarks/results/plan-<model>/), how long it ran, and its rounds' points (its
+    progress lines, benchmarks/results/plan-<model>.log) spread over N Ray workers."""
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
     import maxtext_plan
+    from shardlint.reports import format_plan, read_plan_json
 
     results = os.path.join(ROOT, "benchmarks", "results", f"plan-{model}")
     with open(results + ".log", encoding="utf-8") as fh:
         log = fh.read().splitlines()
+    table = ""
+    if os.path.exists(results + ".json"):   # the search ended: its own table
+        with open(results + ".json", encoding="utf-8") as fh:
+            record = json.load(fh)
+        with tempfile.TemporaryDirectory() as folder:
+            path = os.path.join(folder, "plan.json")
+            with open(path, "w", encoding="utf-8") as fh:
+                json.dump(record["plan"], fh)
+            table = format_plan(read_plan_json(path)) + "\n\nevery point compiled, both sides:\n"
     rounds = [r for r in maxtext_plan.point_seconds("\n".join(log)) if r]   # not a round stopped at its start
     ray = ", ".join(f"{n} workers about {maxtext_plan.projected(rounds, n) / 60:.0f} min" for n in (4, 8, 16))
-    return fenced(f"{log[0]}\n{maxtext_plan.brackets(results)}\n{log[-1]}\n"
+    return fenced(f"{log[0]}\n{table}{maxtext_plan.brackets(results)}\n{log[-1]}\n"
                   f"{sum(map(len, rounds))} points in {len(rounds)} rounds; on Ray, each round's points "
                   f"spread over N workers at the times measured here: {ray}")
 
