@@ -63,13 +63,16 @@ GRID = ("ici_context_parallelism:per_device_batch_size:allow_split_physical_axes
         "1:1:false,2:0.5:true,4:0.25:false,8:0.125:true")
 
 
-def command(model: str, topology: str, longest: str, jobs: int) -> list[str]:
-    """The command line this measures (what docs/plan.md shows), without where it writes."""
+def command(model: str, topology: str, longest: str | None, jobs: int, length: int | None = None) -> list[str]:
+    """The command line this measures (what docs/plan.md shows), without where it writes;
+    with `length` instead of `longest`, the grid at that one max_target_length."""
     options, rewrite = PRESETS[model]
     words = [f"model_name={model}", *options, "ici_fsdp_parallelism=-1", "attention=flash"]
+    words += [f"max_target_length={length}"] if length else []
+    search = ["--longest", longest] if longest else []
     return (["shardlint", "plan", "shardlint.integrations.maxtext:make_step", "--topology", topology]
             + [w for word in words for w in ("--set", word)]
-            + ["--grid", GRID, "--longest", longest, *rewrite, "--jobs", str(jobs)])
+            + ["--grid", GRID, *search, *rewrite, "--jobs", str(jobs)])
 
 
 def main(argv: list[str] | None = None) -> int:

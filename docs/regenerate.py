@@ -322,6 +322,26 @@ def plan_recorded(model: str) -> str:
                   f"spread over N workers at the times measured here: {ray}")
 
 
+def plan_at_length(model: str, length: int) -> str:
+    """`shardlint plan` of MaxText's preset MODEL over benchmarks/maxtext_plan.py's grid at one
+    max_target_length, run by hand (`maxtext_plan.command(..., length=...)`, one point after
+    another): its table from the --json it wrote, and what its points took from its progress
+    lines, both kept in benchmarks/results/plan-<model>-<length>.json and .log."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import maxtext_plan
+    from shardlint.reports import format_plan, read_plan_json
+
+    results = os.path.join(ROOT, "benchmarks", "results", f"plan-{model}-{length}")
+    plan = read_plan_json(results + ".json")
+    with open(results + ".log", encoding="utf-8") as fh:
+        seconds = [int(s) for s in re.findall(r"^shardlint: \[\d+/\d+\] .* \((\d+) s\)", fh.read(), re.M)]
+    peaks = [row.point.host_peak_bytes for row in plan.rows if row.point and row.point.host_peak_bytes]
+    shown = maxtext_plan.command(model, plan.topology, None, 1, length=length)
+    return fenced(f"$ {' '.join(shown)}\n{format_plan(plan)}\n{len(seconds)} points, {min(seconds)} to "
+                  f"{max(seconds)} s each, {sum(seconds) / 60:.0f} min one after another; peak memory of a "
+                  f"point's process {max(peaks) / 2**30:.1f} GiB")
+
+
 BLOCKS: dict[str, Block] = {
     "demo": Block(demo),
     "model-findings": Block(model_findings),
@@ -338,6 +358,7 @@ BLOCKS: dict[str, Block] = {
     "plan-example": Block(plan_example),
     "plan-mixtral": Block(plan_mixtral, needs="maxtext,libtpu", slow=True),
     "plan-mixtral-longest": Block(functools.partial(plan_recorded, "mixtral-8x7b")),
+    "plan-qwen3-next": Block(functools.partial(plan_at_length, "qwen3-next-80b-a3b", 32768)),
     "maxtext-presets": Block(maxtext_presets, needs="maxtext", slow=True),
     "maxtext-moe": Block(maxtext_moe, needs="maxtext"),
     "maxtext-findings": Block(maxtext_findings, needs="maxtext"),
