@@ -188,6 +188,11 @@ _ROUND = re.compile(r"round (\d+): (\d+) point")
 _POINT = re.compile(r"\[\d+/\d+\] .* \((\d+) s\)")
 
 
+def point_times(log: str) -> list[int]:
+    """The seconds of every point the command's progress lines report, in order."""
+    return [int(m.group(1)) for m in map(_POINT.search, log.splitlines()) if m]
+
+
 def point_seconds(log: str) -> list[list[int]]:
     """The seconds each point of each round took, from the command's progress lines."""
     rounds: list[list[int]] = []

@@ -301,7 +301,7 @@ def plan_recorded(model: str) -> str:
     progress lines, benchmarks/results/plan-<model>.log) spread over N Ray workers."""
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
     import maxtext_plan
-    from shardlint.reports import format_plan, read_plan_json
+    from shardlint.reports import format_plan, plan_of
 
     results = os.path.join(ROOT, "benchmarks", "results", f"plan-{model}")
     with open(results + ".log", encoding="utf-8") as fh:
@@ -309,12 +309,8 @@ def plan_recorded(model: str) -> str:
     table = ""
     if os.path.exists(results + ".json"):   # the search ended: its own table
         with open(results + ".json", encoding="utf-8") as fh:
-            record = json.load(fh)
-        with tempfile.TemporaryDirectory() as folder:
-            path = os.path.join(folder, "plan.json")
-            with open(path, "w", encoding="utf-8") as fh:
-                json.dump(record["plan"], fh)
-            table = format_plan(read_plan_json(path)) + "\n\nevery point compiled, both sides:\n"
+            plan = plan_of(json.load(fh)["plan"], results + ".json")
+        table = format_plan(plan) + "\n\nevery point compiled, both sides:\n"
     rounds = [r for r in maxtext_plan.point_seconds("\n".join(log)) if r]   # not a round stopped at its start
     ray = ", ".join(f"{n} workers about {maxtext_plan.projected(rounds, n) / 60:.0f} min" for n in (4, 8, 16))
     return fenced(f"{log[0]}\n{table}{maxtext_plan.brackets(results)}\n{log[-1]}\n"
@@ -334,7 +330,7 @@ def plan_at_length(model: str, length: int) -> str:
     results = os.path.join(ROOT, "benchmarks", "results", f"plan-{model}-{length}")
     plan = read_plan_json(results + ".json")
     with open(results + ".log", encoding="utf-8") as fh:
-        seconds = [int(s) for s in re.findall(r"^shardlint: \[\d+/\d+\] .* \((\d+) s\)", fh.read(), re.M)]
+        seconds = maxtext_plan.point_times(fh.read())
     peaks = [row.point.host_peak_bytes for row in plan.rows if row.point and row.point.host_peak_bytes]
     shown = maxtext_plan.command(model, plan.topology, None, 1, length=length)
     return fenced(f"$ {' '.join(shown)}\n{format_plan(plan)}\n{len(seconds)} points, {min(seconds)} to "

@@ -175,8 +175,14 @@ def longest_fitting(fits: dict[int, bool | None]) -> int | None:
 
 
 def evaluate(spec: PointSpec) -> PlanPoint:
-    """Compiles one point's sides; runs in a process of its own (`_engine`). The after side
-    needs the before side's analysis (it says what to rewrite), so both are compiled for it."""
+    """Compiles one point's sides; runs in a process of its own (`_engine`), whose peak
+    resident memory is then what the compiles took."""
+    return dataclasses.replace(_compiled_point(spec), host_peak_bytes=_host_peak_bytes())
+
+
+def _compiled_point(spec: PointSpec) -> PlanPoint:
+    """One point's sides. The after side needs the before side's analysis (it says what to
+    rewrite), so both are compiled for it."""
     from ..analyzer import fit_of
     from ._load import load
     from ._sweep import analyze_pair
@@ -187,21 +193,19 @@ def evaluate(spec: PointSpec) -> PlanPoint:
     pair = analyze_pair(fn, step_args, mesh, rewrite="after" in spec.sides, verify=False,
                         keep_refusal=True, **spec.rewrite)
     before = _side(pair.before, fit_of(pair.before, spec.hbm_gib))
-    values = dict(spec.values)
     if pair.refused:
-        return PlanPoint(values=values, before=before, host_peak_bytes=_host_peak_bytes(),
+        return PlanPoint(values=dict(spec.values), before=before,
                          note=f"the rewrite was refused: {first_line(pair.refused)}")
     if pair.unchanged:
-        return PlanPoint(values=values, before=before, after=before, host_peak_bytes=_host_peak_bytes(),
+        return PlanPoint(values=dict(spec.values), before=before, after=before,
                          note=f"nothing to rewrite ({pair.unchanged})")
     after = None if pair.after is None else _side(pair.after, fit_of(pair.after, spec.hbm_gib))
-    return PlanPoint(values=values, before=before, after=after, regions=pair.regions,
-                     host_peak_bytes=_host_peak_bytes())
+    return PlanPoint(values=dict(spec.values), before=before, after=after, regions=pair.regions)
 
 
 def _host_peak_bytes() -> int:
     """This process's peak resident memory so far: a point's process (`_engine`: spawned,
-    or a Ray worker that runs one task) holds one point's compiles, so it is what they took."""
+    or a Ray worker that runs one task) holds one point's compiles."""
     import resource
     import sys
 
